@@ -1,0 +1,262 @@
+"""Argument checking for `jax_flash.attention`.
+
+Turns the user's arguments into a `Call`: every array in the 4-D `BTNH` layout (a missing batch
+axis added), every optional mask input either `None` or of a checked shape and dtype, and the static
+settings in one hashable `AttentionConfig`. Both implementations take a `Call`; nothing past this
+module re-checks arguments. Errors are `TypeError` (wrong kind or dtype) or `ValueError` (wrong
+shape or value) and name the argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IMPLEMENTATIONS = (None, "xla", "cuda")
+INPUT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """The static settings of one call (hashable: it is a `custom_vjp` nondiff argument).
+
+    The mask band is kept as offsets from the bottom-right diagonal: key `j` is visible to query
+    `i` when `-window_left <= j - (i + offset) <= window_right`, where `offset` is the key length
+    minus the query length (per batch element when sequence lengths are given). `None` means
+    unbounded; causal attention is `window_right = 0`.
+    """
+
+    scale: float
+    window_left: int | None = None
+    window_right: int | None = None
+    softcap: float | None = None
+
+    @property
+    def is_causal(self) -> bool:
+        return self.window_right == 0 and self.window_left is None
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A validated call: arrays in `BTNH`, optional inputs `None` or checked."""
+
+    query: jax.Array  # [B, T, N, H]
+    key: jax.Array  # [B, S, K, H]
+    value: jax.Array  # [B, S, K, H]
+    bias: jax.Array | None  # 4-D, each axis 1 or the full size of (B, N, T, S)
+    mask: jax.Array | None  # bool, 4-D, like bias
+    query_seq_lengths: jax.Array | None  # int32 [B]
+    key_value_seq_lengths: jax.Array | None  # int32 [B]
+    q_segment_ids: jax.Array | None  # int32 [B, T]
+    kv_segment_ids: jax.Array | None  # int32 [B, S]
+    config: AttentionConfig
+    batched: bool  # False when the inputs came without a batch axis (TNH)
+
+    @property
+    def has_padding_or_segments(self) -> bool:
+        return any(
+            x is not None
+            for x in (self.query_seq_lengths, self.key_value_seq_lengths, self.q_segment_ids)
+        )
+
+
+def _as_array(x: Any, name: str) -> jax.Array:
+    if isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "__jax_array__"):
+        return jnp.asarray(x)
+    if isinstance(x, (list, tuple, numbers.Number)):
+        return jnp.asarray(x)
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+
+
+def _check_qkv(query, key, value):
+    query, key, value = (_as_array(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
+    if query.ndim not in (3, 4):
+        raise ValueError(f"query must have shape [B, T, N, H] or [T, N, H], got shape {query.shape}")
+    for name, x in (("key", key), ("value", value)):
+        if x.ndim != query.ndim:
+            raise ValueError(
+                f"{name} must have the same rank as query ({query.ndim}), got shape {x.shape}"
+            )
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.dtype not in INPUT_DTYPES:
+            allowed = ", ".join(jnp.dtype(d).name for d in INPUT_DTYPES)
+            raise TypeError(f"{name} dtype must be one of {allowed}, got {x.dtype}")
+        if 0 in x.shape:
+            raise ValueError(f"{name} must not be empty, got shape {x.shape}")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(
+            f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    batched = query.ndim == 4
+    if not batched:
+        query, key, value = query[None], key[None], value[None]
+    if value.shape != key.shape:
+        raise ValueError(f"value shape must equal key shape {key.shape}, got {value.shape}")
+    b, t, n, h = query.shape
+    if key.shape[0] != b:
+        raise ValueError(f"key batch size must equal query's ({b}), got shape {key.shape}")
+    if key.shape[3] != h:
+        raise ValueError(f"key head dim must equal query's ({h}), got shape {key.shape}")
+    if n % key.shape[2] != 0:
+        raise ValueError(
+            f"the number of query heads ({n}) must be a multiple of the number of key/value "
+            f"heads ({key.shape[2]})"
+        )
+    return query, key, value, batched
+
+
+def _check_broadcastable(x, name: str, full_shape: tuple[int, ...]):
+    """bias/mask: at most 4-D, each axis 1 or the matching axis of (B, N, T, S)."""
+    if x.ndim > 4:
+        raise ValueError(f"{name} must have at most 4 axes (B, N, T, S), got shape {x.shape}")
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    for size, full, axis in zip(x.shape, full_shape, "BNTS"):
+        if size not in (1, full):
+            raise ValueError(
+                f"{name} of shape {x.shape} is not broadcastable to (B, N, T, S) = {full_shape}: "
+                f"axis {axis} has size {size}, expected 1 or {full}"
+            )
+    return x
+
+
+def _check_lengths(x, name: str, batch: int):
+    if x is None:
+        return None
+    x = _as_array(x, name)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
+    if x.shape != (batch,):
+        raise ValueError(f"{name} must have shape (B,) = ({batch},), got {x.shape}")
+    return x.astype(jnp.int32)
+
+
+def _check_segments(x, name: str, batch: int, length: int, batched: bool):
+    x = _as_array(x, name)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
+    if not batched and x.ndim == 1:
+        x = x[None]
+    if x.shape != (batch, length):
+        raise ValueError(f"{name} must have shape (B, {'T' if name[0] == 'q' else 'S'}) = "
+                         f"({batch}, {length}), got {x.shape}")
+    return x.astype(jnp.int32)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, bool)
+
+
+def _check_window(local_window_size):
+    if local_window_size is None:
+        return None, None
+    if _is_int(local_window_size):
+        local_window_size = (local_window_size, local_window_size)
+    if (
+        not isinstance(local_window_size, (tuple, list))
+        or len(local_window_size) != 2
+        or not all(_is_int(w) for w in local_window_size)
+    ):
+        raise TypeError(
+            "local_window_size must be None, an int or a (left, right) pair of ints, "
+            f"got {local_window_size!r}"
+        )
+    left, right = (int(w) for w in local_window_size)
+    if left < 0 or right < 0:
+        raise ValueError(f"local_window_size values must be >= 0, got {(left, right)}")
+    return left, right
+
+
+def _check_positive_float(x, name: str, allow_none: bool = True) -> float | None:
+    if x is None and allow_none:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a Python or NumPy real number, got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x) or x <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {x}")
+    return x
+
+
+def validate(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    *,
+    scale,
+    is_causal,
+    query_seq_lengths,
+    key_value_seq_lengths,
+    local_window_size,
+    implementation,
+    return_residual,
+    softcap,
+    q_segment_ids,
+    kv_segment_ids,
+) -> Call:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be None, 'xla' or 'cuda', got {implementation!r}"
+        )
+    for name, flag in (("is_causal", is_causal), ("return_residual", return_residual)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    query, key, value, batched = _check_qkv(query, key, value)
+    b, t, n, h = query.shape
+    s = key.shape[1]
+    full = (b, n, t, s)
+
+    if bias is not None:
+        bias = _as_array(bias, "bias")
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(f"bias must be a floating-point array, got dtype {bias.dtype}")
+        bias = _check_broadcastable(bias, "bias", full)
+    if mask is not None:
+        mask = _as_array(mask, "mask")
+        if mask.dtype != jnp.bool_:
+            raise TypeError(
+                f"mask must be a boolean array (True = attend; pass additive masks as bias), "
+                f"got dtype {mask.dtype}"
+            )
+        mask = _check_broadcastable(mask, "mask", full)
+
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    if q_segment_ids is not None:
+        q_segment_ids = _check_segments(q_segment_ids, "q_segment_ids", b, t, batched)
+        kv_segment_ids = _check_segments(kv_segment_ids, "kv_segment_ids", b, s, batched)
+
+    scale = 1.0 / math.sqrt(h) if scale is None else scale
+    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"scale must be None or a real number, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale}")
+    left, right = _check_window(local_window_size)
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    config = AttentionConfig(
+        scale=float(scale),
+        window_left=left,
+        window_right=right,
+        softcap=_check_positive_float(softcap, "softcap"),
+    )
+    return Call(
+        query=query,
+        key=key,
+        value=value,
+        bias=bias,
+        mask=mask,
+        query_seq_lengths=_check_lengths(query_seq_lengths, "query_seq_lengths", b),
+        key_value_seq_lengths=_check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b),
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        config=config,
+        batched=batched,
+    )

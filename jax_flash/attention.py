@@ -1,0 +1,125 @@
+"""The public function `jax_flash.attention`: documentation, validation, choice of implementation."""
+
+from __future__ import annotations
+
+from typing import Literal, overload
+
+import jax
+from jax.typing import ArrayLike
+
+from jax_flash import cuda_impl, xla_impl
+from jax_flash._validation import validate
+
+
+@overload
+def attention(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike,
+    bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+    scale: float | None = None, is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None, key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Literal["xla", "cuda"] | None = None,
+    return_residual: Literal[False] = False, softcap: float | None = None,
+    q_segment_ids: ArrayLike | None = None, kv_segment_ids: ArrayLike | None = None,
+) -> jax.Array: ...  # fmt: skip
+
+
+@overload
+def attention(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike,
+    bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+    scale: float | None = None, is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None, key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Literal["xla", "cuda"] | None = None,
+    return_residual: Literal[True] = ..., softcap: float | None = None,
+    q_segment_ids: ArrayLike | None = None, kv_segment_ids: ArrayLike | None = None,
+) -> tuple[jax.Array, jax.Array]: ...  # fmt: skip
+
+
+def attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale=None,
+    is_causal=False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size=None,
+    implementation=None,
+    return_residual=False,
+    softcap=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+):
+    r"""Scaled dot-product attention, computed blockwise (FlashAttention) in O(seqlen) memory.
+
+    A drop-in for `jax.nn.dot_product_attention` (same argument names, shapes and meaning), with
+    two extras (`softcap`, segment ids). For each head it computes::
+
+        logits = softcap * tanh(scale * Q K^T / softcap) + bias     (without softcap: scale * Q K^T + bias)
+        output = softmax(where(visible, logits, -inf)) V
+
+    Shape letters::
+
+        B batch   T query length   S key/value length   N query heads
+        K key/value heads (N % K == 0; K < N is GQA, K == 1 is MQA)   H head dim
+
+    Args:
+      query: `[B, T, N, H]` (or `[T, N, H]`), float16, bfloat16, float32 or float64.
+      key: `[B, S, K, H]`, same dtype as `query`.
+      value: `[B, S, K, H]`, same shape and dtype as `key`.
+      bias: optional float array added to the logits, broadcastable to `[B, N, T, S]` (each axis
+        1 or full size). Differentiable.
+      mask: optional boolean array, broadcastable to `[B, N, T, S]`; `True` means attend.
+      scale: logit scale; default `1 / sqrt(H)`.
+      is_causal: causal mask. When `T != S` the diagonal is aligned bottom-right: query `i` sees
+        keys `j <= i + (S - T)`, so the last query sees every key (as FlashAttention 2.1+).
+      query_seq_lengths: int `[B]`; query rows at or past the length are padding (output 0).
+      key_value_seq_lengths: int `[B]`; keys at or past the length are ignored. With lengths,
+        the diagonal (causal, windows) aligns the last valid query with the last valid key.
+      local_window_size: `w` or `(left, right)`: query `i` sees keys within `left` before and
+        `right` after its diagonal position (combined with `is_causal`, `right` becomes 0).
+      implementation: `None` (the CUDA kernels on a CUDA GPU when they support the call, else
+        `"xla"`), `"cuda"` (raises `ValueError` when the kernels cannot run the call) or `"xla"`
+        (pure JAX, any backend).
+      return_residual: also return the log-sum-exp of the visible logits, `[B, T, N]` float32
+        (float64 for float64 inputs).
+      softcap: optional logit soft cap (> 0), as in Gemma 2.
+      q_segment_ids: int `[B, T]`; with `kv_segment_ids` (int `[B, S]`), a query sees only keys
+        of its own segment (packed documents).
+
+    A query row that sees no key (padding, segments, windows, masks) gets output 0 and
+    log-sum-exp `-inf`, and passes no gradient; never NaN.
+
+    Returns:
+      The output, shaped and typed like `query`; with `return_residual`, `(output, lse)`.
+    """
+    call = validate(
+        query, key, value, bias, mask,
+        scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+        implementation=implementation, return_residual=return_residual, softcap=softcap,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+    )  # fmt: skip
+    match implementation:
+        case "xla":
+            out, lse = xla_impl.attention(call)
+        case "cuda":
+            reason = cuda_impl.unsupported_reason(call)
+            if reason is not None:
+                raise ValueError(f"implementation='cuda' cannot run this call: {reason}")
+            out, lse = cuda_impl.attention(call)
+        case None:
+            if cuda_impl.unsupported_reason(call) is None:
+                out, lse = cuda_impl.attention(call)
+            else:
+                out, lse = xla_impl.attention(call)
+        case _:  # validate() has already rejected anything else
+            raise AssertionError(implementation)
+    if not call.batched:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_residual else out

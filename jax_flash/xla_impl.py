@@ -1,0 +1,339 @@
+"""The `implementation="xla"` path: FlashAttention-2 written in plain JAX.
+
+Forward: for each block of `block_q` queries (a `lax.map`), loop over the key blocks that the
+mask band can reach, keeping the running row max `m`, row sum `l` and output accumulator in
+float32 (online softmax). Backward: recompute each probability block from the saved log-sum-exp,
+accumulate dQ per query block and dK/dV (and dBias) across query blocks. No buffer larger than
+`block_q x block_k` per head is ever formed, so memory is O(seqlen) (`tests/test_memory.py`).
+
+Shapes inside: queries are grouped as [B, T, K, G, H] (G = N // K query heads share one K/V head),
+so GQA never repeats K/V; logits blocks are [B, K, G, block_q, block_k].
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_flash._validation import AttentionConfig, Call
+
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 512
+
+
+class _Plan(NamedTuple):
+    """Static block geometry: sizes, counts and padded lengths."""
+
+    block_q: int
+    block_k: int
+    num_q_blocks: int
+    num_k_blocks: int
+    static_offset: int | None  # S - T, when no sequence lengths make the diagonal per-batch
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _make_plan(t: int, s: int, has_lengths: bool, block_q: int, block_k: int) -> _Plan:
+    bq = min(block_q, _round_up(t, 8))
+    bk = min(block_k, _round_up(s, 8))
+    return _Plan(bq, bk, -(-t // bq), -(-s // bk), None if has_lengths else s - t)
+
+
+class _Operands(NamedTuple):
+    """Padded inputs of the blockwise loops (padding rows/keys are masked out)."""
+
+    q: jax.Array  # [B, Tp, K, G, H]
+    k: jax.Array  # [B, Sp, K, H]
+    v: jax.Array  # [B, Sp, K, H]
+    bias: jax.Array | None  # [Bb, Kb, Gb, Tb, Sb], axes of size 1 broadcast
+    mask: jax.Array | None  # bool, like bias
+    q_len: jax.Array  # int32 [B]
+    kv_len: jax.Array  # int32 [B]
+    offset: jax.Array  # int32 [B]: diagonal offset, kv length - q length
+    q_seg: jax.Array | None  # int32 [B, Tp]
+    kv_seg: jax.Array | None  # int32 [B, Sp]
+
+
+def _pad_axis(x, axis: int, size: int, value=0):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _grouped_bnts(x, n: int, kv_heads: int, tp: int, sp: int):
+    """[Bx, Nx, Tx, Sx] -> [Bx, Kx, Gx, Tx, Sx], padding the axes that are not broadcast."""
+    if x is None:
+        return None
+    bx, nx, tx, sx = x.shape
+    x = x[:, :, None] if nx == 1 else x.reshape(bx, kv_heads, n // kv_heads, tx, sx)
+    if tx > 1:
+        x = _pad_axis(x, 3, tp)
+    if sx > 1:
+        x = _pad_axis(x, 4, sp)
+    return x
+
+
+def _tile(x, q_start, bq: int, k_start, bk: int):
+    """The [.., bq, bk] tile of a broadcastable bias/mask (broadcast axes stay size 1)."""
+    if x.shape[3] > 1:
+        x = lax.dynamic_slice_in_dim(x, q_start, bq, axis=3)
+    if x.shape[4] > 1:
+        x = lax.dynamic_slice_in_dim(x, k_start, bk, axis=4)
+    return x
+
+
+def _operands(call: Call, plan: _Plan) -> _Operands:
+    q, k, v = call.query, call.key, call.value
+    b, t, n, h = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    tp, sp = plan.num_q_blocks * plan.block_q, plan.num_k_blocks * plan.block_k
+    q = _pad_axis(q, 1, tp).reshape(b, tp, kv_heads, n // kv_heads, h)
+    k, v = _pad_axis(k, 1, sp), _pad_axis(v, 1, sp)
+    full = lambda x: jnp.full((b,), x, jnp.int32)  # noqa: E731
+    q_len = full(t) if call.query_seq_lengths is None else jnp.minimum(call.query_seq_lengths, t)
+    kv_len = (
+        full(s) if call.key_value_seq_lengths is None else jnp.minimum(call.key_value_seq_lengths, s)
+    )
+    q_seg = kv_seg = None
+    if call.q_segment_ids is not None:
+        q_seg = _pad_axis(call.q_segment_ids, 1, tp, -1)
+        kv_seg = _pad_axis(call.kv_segment_ids, 1, sp, -2)
+    return _Operands(
+        q, k, v,
+        _grouped_bnts(call.bias, n, kv_heads, tp, sp),
+        _grouped_bnts(call.mask, n, kv_heads, tp, sp),
+        q_len, kv_len, kv_len - q_len, q_seg, kv_seg,
+    )  # fmt: skip
+
+
+def _key_block_range(cfg: AttentionConfig, plan: _Plan, iq):
+    """Key blocks [lo, hi) that query block `iq` can see; all of them when the band is per-batch."""
+    if plan.static_offset is None:
+        return 0, plan.num_k_blocks
+    first_q = iq * plan.block_q + plan.static_offset
+    lo, hi = 0, plan.num_k_blocks
+    if cfg.window_left is not None:
+        lo = jnp.clip((first_q - cfg.window_left) // plan.block_k, 0, plan.num_k_blocks)
+    if cfg.window_right is not None:
+        last_key = first_q + plan.block_q - 1 + cfg.window_right
+        hi = jnp.clip(last_key // plan.block_k + 1, 0, plan.num_k_blocks)
+    return lo, hi
+
+
+def _visible(cfg: AttentionConfig, plan: _Plan, ops: _Operands, iq, jk):
+    """Boolean [B, Kx, Gx, bq, bk]: which (query, key) pairs of this tile take part."""
+    qi = iq * plan.block_q + jnp.arange(plan.block_q, dtype=jnp.int32)
+    kj = jk * plan.block_k + jnp.arange(plan.block_k, dtype=jnp.int32)
+    vis = (qi[None, :, None] < ops.q_len[:, None, None]) & (
+        kj[None, None, :] < ops.kv_len[:, None, None]
+    )
+    rel = kj[None, None, :] - qi[None, :, None] - ops.offset[:, None, None]
+    if cfg.window_left is not None:
+        vis &= rel >= -cfg.window_left
+    if cfg.window_right is not None:
+        vis &= rel <= cfg.window_right
+    if ops.q_seg is not None:
+        q_seg = lax.dynamic_slice_in_dim(ops.q_seg, iq * plan.block_q, plan.block_q, axis=1)
+        kv_seg = lax.dynamic_slice_in_dim(ops.kv_seg, jk * plan.block_k, plan.block_k, axis=1)
+        vis &= q_seg[:, :, None] == kv_seg[:, None, :]
+    vis = vis[:, None, None]
+    if ops.mask is not None:
+        vis &= _tile(ops.mask, iq * plan.block_q, plan.block_q, jk * plan.block_k, plan.block_k)
+    return vis
+
+
+def _logits(cfg, plan, ops, q_block, iq, jk):
+    """Masked logits of one tile (-inf where not visible), and tanh(raw/softcap) for the backward."""
+    acc = _acc_dtype(ops.q.dtype)
+    k_block = lax.dynamic_slice_in_dim(ops.k, jk * plan.block_k, plan.block_k, axis=1)
+    s = jnp.einsum("bqkgh,bskh->bkgqs", q_block, k_block, preferred_element_type=acc) * cfg.scale
+    tanh_s = None
+    if cfg.softcap is not None:
+        tanh_s = jnp.tanh(s / cfg.softcap)
+        s = cfg.softcap * tanh_s
+    if ops.bias is not None:
+        tile = _tile(ops.bias, iq * plan.block_q, plan.block_q, jk * plan.block_k, plan.block_k)
+        s = s + tile.astype(acc)
+    return jnp.where(_visible(cfg, plan, ops, iq, jk), s, -jnp.inf), tanh_s
+
+
+def _acc_dtype(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _forward_q_block(cfg, plan, ops, iq):
+    b, _, kv_heads, g, h = ops.q.shape
+    acc = _acc_dtype(ops.q.dtype)
+    q_block = lax.dynamic_slice_in_dim(ops.q, iq * plan.block_q, plan.block_q, axis=1)
+
+    def step(jk, carry):
+        m, l, o = carry
+        s, _ = _logits(cfg, plan, ops, q_block, iq, jk)
+        m_new = jnp.maximum(m, s.max(-1))
+        # A row with nothing visible so far keeps m = -inf; shift it by 0 so exp gives 0, not NaN.
+        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - m_shift[..., None])
+        rescale = jnp.exp(m - m_shift)
+        v_block = lax.dynamic_slice_in_dim(ops.v, jk * plan.block_k, plan.block_k, axis=1)
+        pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(ops.v.dtype), v_block,
+                        preferred_element_type=acc)  # fmt: skip
+        return m_new, rescale * l + p.sum(-1), rescale[..., None] * o + pv
+
+    shape = (b, kv_heads, g, plan.block_q)
+    init = (jnp.full(shape, -jnp.inf, acc), jnp.zeros(shape, acc), jnp.zeros(shape + (h,), acc))
+    lo, hi = _key_block_range(cfg, plan, iq)
+    m, l, o = lax.fori_loop(lo, hi, step, init)
+    empty = l == 0  # fully masked rows: output 0, log-sum-exp -inf
+    l_safe = jnp.where(empty, 1.0, l)
+    out = o / l_safe[..., None]
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, plan.block_q, kv_heads * g, h)
+    lse = lse.transpose(0, 3, 1, 2).reshape(b, plan.block_q, kv_heads * g)
+    return out.astype(ops.q.dtype), lse
+
+
+def _unblock(x, length: int):
+    """[num_blocks, B, block, ...] -> [B, length, ...]."""
+    x = jnp.moveaxis(x, 0, 1)
+    x = x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+    return x[:, :length]
+
+
+def _forward(cfg, plan, ops, t):
+    out, lse = lax.map(functools.partial(_forward_q_block, cfg, plan, ops),
+                       jnp.arange(plan.num_q_blocks))  # fmt: skip
+    return _unblock(out, t), _unblock(lse, t)
+
+
+def _reduce_to(x, shape):
+    """Sum a [B, K, G, bq, bk] tile down to a broadcastable shape (axes of size 1)."""
+    axes = tuple(i for i, size in enumerate(shape) if size == 1 and x.shape[i] != 1)
+    return x.sum(axes, keepdims=True) if axes else x
+
+
+def _backward(cfg, plan, ops, out, lse, d_out, d_lse):
+    b, tp, kv_heads, g, h = ops.q.shape
+    t = out.shape[1]
+    acc = _acc_dtype(ops.q.dtype)
+    dtype = ops.q.dtype
+
+    def grouped_rows(x, fill):  # [B, T, N] -> [B, K, G, Tp]
+        x = _pad_axis(x, 1, tp, fill).reshape(b, tp, kv_heads, g)
+        return x.transpose(0, 2, 3, 1)
+
+    # D = rowsum(dO * O); a cotangent on the log-sum-exp enters as -dLSE (dLSE/dS = P).
+    delta = jnp.sum(d_out.astype(acc) * out.astype(acc), axis=-1) - d_lse.astype(acc)
+    delta = grouped_rows(delta, 0.0)
+    lse = grouped_rows(lse.astype(acc), -jnp.inf)
+    lse = jnp.where(lse == -jnp.inf, 0.0, lse)  # fully masked rows: every p is exp(-inf) = 0
+    d_out = _pad_axis(d_out, 1, tp).reshape(b, tp, kv_heads, g, h)
+
+    def q_block_step(carry, iq):
+        rows = lambda x: lax.dynamic_slice_in_dim(x, iq * plan.block_q, plan.block_q, axis=1)  # noqa: E731
+        cols = lambda x: lax.dynamic_slice_in_dim(x, iq * plan.block_q, plan.block_q, axis=3)  # noqa: E731
+        q_block, do_block, lse_block, delta_block = rows(ops.q), rows(d_out), cols(lse), cols(delta)
+
+        def step(jk, c):
+            dq, dk, dv, dbias = c
+            k0 = jk * plan.block_k
+            s, tanh_s = _logits(cfg, plan, ops, q_block, iq, jk)
+            p = jnp.exp(s - lse_block[..., None])
+            k_block = lax.dynamic_slice_in_dim(ops.k, k0, plan.block_k, axis=1)
+            v_block = lax.dynamic_slice_in_dim(ops.v, k0, plan.block_k, axis=1)
+            dv_tile = jnp.einsum("bkgqs,bqkgh->bskh", p.astype(dtype), do_block,
+                                 preferred_element_type=acc)  # fmt: skip
+            dp = jnp.einsum("bqkgh,bskh->bkgqs", do_block, v_block, preferred_element_type=acc)
+            ds = p * (dp - delta_block[..., None])
+            if dbias is not None:
+                tile = _reduce_to(ds, dbias.shape)
+                q0 = iq * plan.block_q if dbias.shape[3] > 1 else 0
+                k0b = k0 if dbias.shape[4] > 1 else 0
+                old = lax.dynamic_slice(dbias, (0, 0, 0, q0, k0b), tile.shape)
+                dbias = lax.dynamic_update_slice(dbias, old + tile, (0, 0, 0, q0, k0b))
+            if tanh_s is not None:
+                ds = ds * (1.0 - tanh_s * tanh_s)
+            ds = (ds * cfg.scale).astype(dtype)
+            dq = dq + jnp.einsum("bkgqs,bskh->bqkgh", ds, k_block, preferred_element_type=acc)
+            dk_tile = jnp.einsum("bkgqs,bqkgh->bskh", ds, q_block, preferred_element_type=acc)
+            dk = lax.dynamic_update_slice_in_dim(
+                dk, lax.dynamic_slice_in_dim(dk, k0, plan.block_k, 1) + dk_tile, k0, axis=1)
+            dv = lax.dynamic_update_slice_in_dim(
+                dv, lax.dynamic_slice_in_dim(dv, k0, plan.block_k, 1) + dv_tile, k0, axis=1)
+            return dq, dk, dv, dbias
+
+        lo, hi = _key_block_range(cfg, plan, iq)
+        dq0 = jnp.zeros(q_block.shape, acc)
+        dq, dk, dv, dbias = lax.fori_loop(lo, hi, step, (dq0,) + carry)
+        return (dk, dv, dbias), dq.reshape(b, plan.block_q, kv_heads * g, h)
+
+    dbias0 = None if ops.bias is None else jnp.zeros(ops.bias.shape, acc)
+    zeros_kv = jnp.zeros(ops.k.shape, acc)
+    (dk, dv, dbias), dq = lax.scan(q_block_step, (zeros_kv, zeros_kv, dbias0),
+                                   jnp.arange(plan.num_q_blocks))  # fmt: skip
+    return _unblock(dq, t).astype(dtype), dk, dv, dbias
+
+
+# ---- custom_vjp wiring ---------------------------------------------------------------------
+
+
+class _Static(NamedTuple):
+    config: AttentionConfig
+    plan: _Plan
+    t: int
+    s: int
+
+
+def _call_from(static: _Static, args) -> Call:
+    q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg = args
+    return Call(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, static.config, True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(static: _Static, *args):
+    return _flash_fwd(static, *args)[0]
+
+
+def _flash_fwd(static: _Static, *args):
+    ops = _operands(_call_from(static, args), static.plan)
+    out, lse = _forward(static.config, static.plan, ops, static.t)
+    return (out, lse), (args, out, lse)
+
+
+def _flash_bwd(static: _Static, residuals, cotangents):
+    args, out, lse = residuals
+    d_out, d_lse = cotangents
+    call = _call_from(static, args)
+    ops = _operands(call, static.plan)
+    dq, dk, dv, dbias = _backward(static.config, static.plan, ops, out, lse, d_out, d_lse)
+    s, dtype = static.s, call.query.dtype
+    dk, dv = dk[:, :s].astype(dtype), dv[:, :s].astype(dtype)
+    if dbias is not None:
+        bias = call.bias  # undo the (K, G) split and the padding of T and S
+        dbias = dbias.reshape(dbias.shape[:1] + (-1,) + dbias.shape[3:])
+        dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
+    return (dq, dk, dv, dbias) + (None,) * 5
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def attention(
+    call: Call, block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K
+) -> tuple[jax.Array, jax.Array]:
+    """Blockwise attention of a validated call: (output [B, T, N, H], lse [B, T, N]).
+
+    lse is float32 (float64 for float64 inputs)."""
+    t, s = call.query.shape[1], call.key.shape[1]
+    has_lengths = call.query_seq_lengths is not None or call.key_value_seq_lengths is not None
+    plan = _make_plan(t, s, has_lengths, block_q, block_k)
+    args = (call.query, call.key, call.value, call.bias, call.mask, call.query_seq_lengths,
+            call.key_value_seq_lengths, call.q_segment_ids, call.kv_segment_ids)  # fmt: skip
+    return _flash(_Static(call.config, plan, t, s), *args)

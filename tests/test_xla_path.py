@@ -1,0 +1,119 @@
+"""The pure-JAX blockwise path against the naive float64 reference: outputs, log-sum-exp and
+gradients over mask cases, dtypes, head dims, T != S and GQA/MQA.
+
+Small blocks (16) make every test cross several query and key blocks and their tails.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_flash import xla_impl
+from jax_flash._validation import validate
+from tests import reference
+from tests.cases import CASES, qkv, rng_for
+
+TOL = {  # relative error bounds: (output, gradients)
+    jnp.float64: (1e-10, 1e-10),
+    jnp.float32: (1e-5, 1e-4),
+    jnp.float16: (3e-3, 6e-3),
+    jnp.bfloat16: (1e-2, 2e-2),
+}
+DIFF_ARGS = ("q", "k", "v", "bias")
+
+
+def run_xla(q, k, v, block=16, **kwargs):
+    defaults = dict(bias=None, mask=None, scale=None, is_causal=False, query_seq_lengths=None,
+                    key_value_seq_lengths=None, local_window_size=None, implementation="xla",
+                    return_residual=True, softcap=None, q_segment_ids=None, kv_segment_ids=None)
+    kw = {**defaults, **kwargs}
+    call = validate(q, k, v, kw.pop("bias"), kw.pop("mask"), **kw)
+    return xla_impl.attention(call, block_q=block, block_k=block)
+
+
+def loss_and_grads(fn, q, k, v, kwargs, rng):
+    """Gradients of sum(out * g_out) + sum(lse * g_lse) with respect to q, k, v (and bias)."""
+    out_shape = q.shape
+    g_out = jnp.asarray(rng.normal(size=out_shape))
+    g_lse = jnp.asarray(rng.normal(size=out_shape[:-1]))
+    bias = kwargs.pop("bias", None)
+
+    def loss(q, k, v, bias):
+        out, lse = fn(q, k, v, bias=bias, **kwargs)
+        lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(out.astype(jnp.float64) * g_out) + jnp.sum(lse.astype(jnp.float64) * g_lse)
+
+    (out, lse) = fn(q, k, v, bias=bias, **kwargs)
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3) if bias is not None else (0, 1, 2))(q, k, v, bias)
+    return out, lse, grads
+
+
+def check_against_reference(dtype, b, t, s, n, kv_heads, h, case, block=16):
+    rng = rng_for(dtype, b, t, s, n, kv_heads, h, case)
+    q, k, v = qkv(rng, dtype, b, t, s, n, kv_heads, h)
+    kwargs = CASES[case](rng, b, n, t, s)
+    ours = loss_and_grads(lambda *a, **kw: run_xla(*a, block=block, **kw), q, k, v, dict(kwargs),
+                          rng_for("grad", dtype, case))
+    ref = loss_and_grads(reference.attention, q, k, v, dict(kwargs), rng_for("grad", dtype, case))
+    out_tol, grad_tol = TOL[dtype]
+    assert ours[0].dtype == dtype and ours[1].dtype == jnp.promote_types(dtype, jnp.float32)
+    assert reference.rel_error(ours[0], ref[0]) < out_tol
+    assert reference.rel_error(ours[1], ref[1]) < max(out_tol, 1e-6)
+    for name, g, g_ref in zip(DIFF_ARGS, ours[2], ref[2]):
+        assert g.dtype == (dtype if name != "bias" else kwargs["bias"].dtype), name
+        assert reference.rel_error(g, g_ref) < grad_tol, name
+    return ours
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("t,s", [(37, 37), (21, 50), (50, 19)])
+def test_float64_every_case(case, t, s):
+    check_against_reference(jnp.float64, 3, t, s, 4, 2, 16, case)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("h", [32, 64, 128])
+@pytest.mark.parametrize("case", ["none", "causal"])
+def test_dtypes_and_head_dims(dtype, h, case):
+    check_against_reference(dtype, 2, 45, 70, 4, 2, h, case)
+
+
+@pytest.mark.parametrize("n,kv_heads", [(4, 4), (6, 3), (4, 1)])
+@pytest.mark.parametrize("case", ["causal", "everything"])
+def test_mha_gqa_mqa(n, kv_heads, case):
+    check_against_reference(jnp.float64, 3, 33, 40, n, kv_heads, 8, case)
+
+
+@pytest.mark.parametrize("t,s", [(1, 1), (1, 40), (40, 1), (7, 129)])
+def test_odd_lengths(t, s):
+    check_against_reference(jnp.float64, 3, t, s, 2, 1, 8, "causal", block=8)
+
+
+def test_default_blocks_match_small_blocks():
+    """The public default block sizes (single block here) give the same result as tiny blocks."""
+    rng = rng_for("blocks")
+    q, k, v = qkv(rng, jnp.float64, 2, 100, 130, 2, 2, 16)
+    small = run_xla(q, k, v, block=16, is_causal=True)
+    large = run_xla(q, k, v, block=512, is_causal=True)
+    np.testing.assert_allclose(small[0], large[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(small[1], large[1], rtol=1e-6)
+
+
+def test_fully_masked_rows_give_zero_and_no_nan():
+    rng = rng_for("masked")
+    q, k, v = qkv(rng, jnp.bfloat16, 2, 24, 24, 2, 2, 16)
+    lengths = jnp.asarray([0, 10], jnp.int32)
+
+    def loss(q, k, v):
+        out = run_xla(q, k, v, query_seq_lengths=lengths, key_value_seq_lengths=lengths)[0]
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    out, lse = run_xla(q, k, v, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert jnp.all(out[0] == 0) and jnp.all(out[1, 10:] == 0)
+    assert jnp.all(lse[0] == -jnp.inf) and jnp.all(jnp.isfinite(lse[1, :10]))
+    for g in grads:
+        assert not jnp.isnan(g.astype(jnp.float32)).any()
+        assert jnp.all(g[0] == 0)
+    assert jnp.any(grads[0][1, :10] != 0)
