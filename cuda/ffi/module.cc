@@ -1,0 +1,17 @@
+// The Python module jax_flash._cuda: `registrations()` maps each XLA FFI target name to a capsule
+// holding its handler, which jax_flash/_ffi.py registers with jax.ffi.register_ffi_target.
+#include <nanobind/nanobind.h>
+
+#include "ffi/handlers.h"
+
+namespace nb = nanobind;
+
+NB_MODULE(_cuda, m) {
+  m.def("registrations", []() {
+    nb::dict targets;
+    for (const auto& target : jax_flash::ffi_targets()) {
+      targets[target.name] = nb::capsule(target.handler);
+    }
+    return targets;
+  });
+}
