@@ -1,4 +1,4 @@
-"""Loading the compiled CUDA module and registering its XLA FFI handlers (once, lazily).
+"""The compiled CUDA module: loading it, registering its XLA FFI handlers, and the ffi_calls.
 
 The module `jax_flash._cuda` exists only when the package was built with a CUDA compiler. Its
 `registrations()` returns `{target name: PyCapsule}`; each is registered for the CUDA platform the
@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 
 @functools.cache
@@ -22,8 +26,6 @@ def extension():
 
 @functools.cache
 def cuda_device_available() -> bool:
-    import jax
-
     try:
         return any(d.platform == "gpu" for d in jax.devices()) and jax.default_backend() == "gpu"
     except RuntimeError:
@@ -33,8 +35,6 @@ def cuda_device_available() -> bool:
 @functools.cache
 def register_targets() -> tuple[str, ...]:
     """Register every handler of the extension with XLA; returns the target names."""
-    import jax
-
     module = extension()
     if module is None:
         return ()
@@ -43,3 +43,38 @@ def register_targets() -> tuple[str, ...]:
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
         names.append(name)
     return tuple(names)
+
+
+def _window_attrs(config) -> dict:
+    """Scalar attributes as the handlers declare them (np.float32 / np.int32; -1 = unbounded)."""
+    unbounded = lambda w: np.int32(-1 if w is None else w)  # noqa: E731
+    return dict(
+        scale=np.float32(config.scale),
+        window_left=unbounded(config.window_left),
+        window_right=unbounded(config.window_right),
+    )
+
+
+def forward(config, q, k, v):
+    """(out [B, T, N, H], lse [B, N, T] float32) from the forward kernel."""
+    register_targets()
+    b, t, n, _ = q.shape
+    result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
+    call = jax.ffi.ffi_call("jax_flash_fwd", result_types, vmap_method="sequential")
+    return call(q, k, v, **_window_attrs(config))
+
+
+def backward(config, q, k, v, out, lse, d_out, d_lse):
+    """(dq, dk, dv) from the backward kernels; lse and d_lse are [B, N, T] float32."""
+    register_targets()
+    b, t, n, _ = q.shape
+    result_types = (
+        jax.ShapeDtypeStruct(q.shape, jnp.float32),  # dQ accumulator, filled with atomics
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct((b, n, t), jnp.float32),  # delta = rowsum(dO * O) - dlse, scratch
+    )
+    call = jax.ffi.ffi_call("jax_flash_bwd", result_types, vmap_method="sequential")
+    dq_accum, dk, dv, _ = call(q, k, v, out, lse.astype(jnp.float32), d_out,
+                               d_lse.astype(jnp.float32), **_window_attrs(config))  # fmt: skip
+    return dq_accum.astype(q.dtype), dk, dv

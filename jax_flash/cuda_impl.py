@@ -1,9 +1,28 @@
-"""The `implementation="cuda"` path: our CUDA kernels behind XLA FFI custom calls."""
+"""The `implementation="cuda"` path: our CUDA kernels behind XLA FFI custom calls.
+
+`unsupported_reason` is the one place that decides which calls the kernels take; `attention`
+pads the head dim up to one with kernels, then runs a `custom_vjp` whose forward and backward are
+`jax.ffi.ffi_call`s (the FFI calls themselves live in `_ffi.py`).
+"""
 
 from __future__ import annotations
 
-from jax_flash import _ffi
-from jax_flash._validation import Call
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash import _ffi, xla_impl
+from jax_flash._validation import AttentionConfig, Call
+
+FWD_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+BWD_HEAD_DIMS = (32, 64, 96, 128)  # above: the backward is the xla path's, from our lse
+KERNEL_DTYPES = (jnp.float16, jnp.bfloat16)
+
+
+def kernel_head_dim(head_dim: int) -> int | None:
+    """The smallest head dim with kernels that fits `head_dim` (zero padding), or None."""
+    return next((d for d in FWD_HEAD_DIMS if d >= head_dim), None)
 
 
 def unsupported_reason(call: Call) -> str | None:
@@ -11,9 +30,60 @@ def unsupported_reason(call: Call) -> str | None:
     if _ffi.extension() is None:
         return "jax_flash was installed without its CUDA extension (no nvcc at build time)"
     if not _ffi.cuda_device_available():
-        return "no CUDA GPU is the default JAX backend"
-    return "the CUDA kernels are not implemented yet"
+        return "the default JAX backend is not a CUDA GPU"
+    if call.query.dtype not in KERNEL_DTYPES:
+        return f"the kernels take float16 or bfloat16, got {call.query.dtype}"
+    if kernel_head_dim(call.query.shape[-1]) is None:
+        return f"head dim {call.query.shape[-1]} is above the largest supported ({FWD_HEAD_DIMS[-1]})"
+    if call.config.scale <= 0:
+        return "the kernels need scale > 0"
+    unsupported = [
+        name
+        for name, value in (
+            ("bias", call.bias), ("mask", call.mask), ("softcap", call.config.softcap),
+            ("query_seq_lengths", call.query_seq_lengths),
+            ("key_value_seq_lengths", call.key_value_seq_lengths),
+            ("segment ids", call.q_segment_ids),
+        )
+        if value is not None
+    ]  # fmt: skip
+    if unsupported:
+        return f"not in the CUDA kernels yet: {', '.join(unsupported)}"
+    return None
 
 
-def attention(call: Call):
-    raise NotImplementedError(unsupported_reason(call))
+def _pad_head_dim(x, size: int):
+    pad = size - x.shape[-1]
+    return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+
+
+def attention(call: Call) -> tuple[jax.Array, jax.Array]:
+    """(output [B, T, N, H], lse [B, T, N] float32) from the CUDA kernels."""
+    head_dim = call.query.shape[-1]
+    padded = kernel_head_dim(head_dim)
+    q, k, v = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value))
+    out, lse = _flash(call.config, q, k, v)
+    return out[..., :head_dim], lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(config: AttentionConfig, q, k, v):
+    return _flash_fwd(config, q, k, v)[0]
+
+
+def _flash_fwd(config: AttentionConfig, q, k, v):
+    out, lse = _ffi.forward(config, q, k, v)  # lse: [B, N, T]
+    return (out, lse.transpose(0, 2, 1)), (q, k, v, out, lse)
+
+
+def _flash_bwd(config: AttentionConfig, residuals, cotangents):
+    q, k, v, out, lse = residuals
+    d_out, d_lse = cotangents
+    if q.shape[-1] not in BWD_HEAD_DIMS:
+        call = Call(q, k, v, None, None, None, None, None, None, config, True)
+        return xla_impl.backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse)[:3]
+    dq, dk, dv = _ffi.backward(config, q, k, v, out, lse, d_out, d_lse.transpose(0, 2, 1))
+    return dq, dk, dv
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

@@ -309,8 +309,11 @@ def _flash_fwd(static: _Static, *args):
 
 def _flash_bwd(static: _Static, residuals, cotangents):
     args, out, lse = residuals
-    d_out, d_lse = cotangents
-    call = _call_from(static, args)
+    return _gradients(static, _call_from(static, args), out, lse, *cotangents) + (None,) * 5
+
+
+def _gradients(static: _Static, call: Call, out, lse, d_out, d_lse):
+    """(dq, dk, dv, dbias) of a call, from its output and log-sum-exp."""
     ops = _operands(call, static.plan)
     dq, dk, dv, dbias = _backward(static.config, static.plan, ops, out, lse, d_out, d_lse)
     s, dtype = static.s, call.query.dtype
@@ -319,10 +322,16 @@ def _flash_bwd(static: _Static, residuals, cotangents):
         bias = call.bias  # undo the (K, G) split and the padding of T and S
         dbias = dbias.reshape(dbias.shape[:1] + (-1,) + dbias.shape[3:])
         dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
-    return (dq, dk, dv, dbias) + (None,) * 5
+    return dq, dk, dv, dbias
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _static(call: Call, block_q: int, block_k: int) -> _Static:
+    t, s = call.query.shape[1], call.key.shape[1]
+    has_lengths = call.query_seq_lengths is not None or call.key_value_seq_lengths is not None
+    return _Static(call.config, _make_plan(t, s, has_lengths, block_q, block_k), t, s)
 
 
 def attention(
@@ -331,9 +340,13 @@ def attention(
     """Blockwise attention of a validated call: (output [B, T, N, H], lse [B, T, N]).
 
     lse is float32 (float64 for float64 inputs)."""
-    t, s = call.query.shape[1], call.key.shape[1]
-    has_lengths = call.query_seq_lengths is not None or call.key_value_seq_lengths is not None
-    plan = _make_plan(t, s, has_lengths, block_q, block_k)
     args = (call.query, call.key, call.value, call.bias, call.mask, call.query_seq_lengths,
             call.key_value_seq_lengths, call.q_segment_ids, call.kv_segment_ids)  # fmt: skip
-    return _flash(_Static(call.config, plan, t, s), *args)
+    return _flash(_static(call, block_q, block_k), *args)
+
+
+def backward(call: Call, out, lse, d_out, d_lse, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
+    """The blockwise backward alone, from a forward's output and lse [B, T, N] (float32 for
+    float16/bfloat16 inputs): (dq, dk, dv, dbias). The CUDA path uses it where it has no
+    backward kernel."""
+    return _gradients(_static(call, block_q, block_k), call, out, lse, d_out, d_lse)

@@ -1,8 +1,164 @@
-// XLA FFI handlers: decode buffers and attributes, fill the kernel parameters, launch.
+// XLA FFI handlers: check the buffers XLA hands over, fill the kernel parameters, launch on XLA's
+// stream. Launch errors come back as ffi::Error, never as a crash. The handlers neither allocate
+// nor synchronise (scratch memory is an extra output of the call), so they are declared
+// compatible with XLA command buffers (CUDA graphs).
 #include "ffi/handlers.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common/params.h"
+#include "launch/dispatch.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_flash {
+namespace {
+
+std::string shape_string(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// Fills the shape fields of `p` from q [B, T, N, H] and k/v [B, S, K, H], checking what the
+// Python layer guarantees, so that a misuse of the raw target fails cleanly.
+ffi::Error fill_shapes(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, DType* dtype,
+                       FwdParams* p) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
+    return ffi::Error::InvalidArgument("jax_flash: q, k, v must be rank 4 (BTNH), got " +
+                                       shape_string(qd) + ", " + shape_string(kd) + ", " +
+                                       shape_string(vd));
+  }
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type()) {
+    return ffi::Error::InvalidArgument("jax_flash: q, k, v must share one dtype");
+  }
+  switch (q.element_type()) {
+    case ffi::DataType::F16: *dtype = DType::kFloat16; break;
+    case ffi::DataType::BF16: *dtype = DType::kBFloat16; break;
+    default: return ffi::Error::InvalidArgument("jax_flash: kernels take float16 or bfloat16");
+  }
+  for (size_t i = 0; i < 4; ++i) {
+    if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("jax_flash: k and v shapes differ");
+  }
+  if (kd[0] != qd[0] || kd[3] != qd[3] || kd[2] == 0 || qd[2] % kd[2] != 0) {
+    return ffi::Error::InvalidArgument("jax_flash: incompatible q " + shape_string(qd) +
+                                       " and k " + shape_string(kd));
+  }
+  p->q = q.untyped_data();
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  p->batch = static_cast<int>(qd[0]);
+  p->seqlen_q = static_cast<int>(qd[1]);
+  p->heads = static_cast<int>(qd[2]);
+  p->head_dim = static_cast<int>(qd[3]);
+  p->seqlen_k = static_cast<int>(kd[1]);
+  p->kv_heads = static_cast<int>(kd[2]);
+  return ffi::Error::Success();
+}
+
+void fill_attributes(float scale, int32_t window_left, int32_t window_right, FwdParams* p) {
+  p->scale = scale;
+  p->softcap = 0.f;
+  p->window_left = window_left;
+  p->window_right = window_right;
+}
+
+ffi::Error launch_status(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    return ffi::Error::Internal(std::string("jax_flash: ") + what + " launch failed: " +
+                                cudaGetErrorString(status));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                    float scale, int32_t window_left, int32_t window_right) {
+  FwdParams p{};
+  DType dtype;
+  if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p); e.failure()) return e;
+  fill_attributes(scale, window_left, window_right, &p);
+  if (!fwd_supports_head_dim(p.head_dim)) {
+    return ffi::Error::InvalidArgument("jax_flash: no forward kernel for head dim " +
+                                       std::to_string(p.head_dim));
+  }
+  p.o = o->untyped_data();
+  p.lse = lse->typed_data();
+  return launch_status(run_fwd(dtype, p, stream), "forward");
+}
+
+ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
+                    ffi::Buffer<ffi::F32> dlse, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
+                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                    ffi::Result<ffi::Buffer<ffi::F32>> delta, float scale, int32_t window_left,
+                    int32_t window_right) {
+  BwdParams p{};
+  DType dtype;
+  if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p); e.failure()) return e;
+  fill_attributes(scale, window_left, window_right, &p);
+  if (!bwd_supports_head_dim(p.head_dim)) {
+    return ffi::Error::InvalidArgument("jax_flash: no backward kernel for head dim " +
+                                       std::to_string(p.head_dim));
+  }
+  p.o = const_cast<void*>(o.untyped_data());
+  p.lse = const_cast<float*>(lse.typed_data());
+  p.dout = dout.untyped_data();
+  p.dlse = dlse.typed_data();
+  p.dq_accum = dq_accum->typed_data();
+  p.dk = dk->untyped_data();
+  p.dv = dv->untyped_data();
+  p.delta = delta->typed_data();
+  return launch_status(run_bwd(dtype, p, stream), "backward");
+}
+
+}  // namespace
+}  // namespace jax_flash
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_fwd_handler, jax_flash::fwd_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Ret<ffi::AnyBuffer>()  // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse [B, N, T]
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("window_left")
+                                  .Attr<int32_t>("window_right"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // o
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse [B, N, T]
+                                  .Arg<ffi::AnyBuffer>()  // dO
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dlse [B, N, T]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dQ accumulator [B, T, N, H]
+                                  .Ret<ffi::AnyBuffer>()  // dK
+                                  .Ret<ffi::AnyBuffer>()  // dV
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // delta scratch [B, N, T]
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("window_left")
+                                  .Attr<int32_t>("window_right"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 namespace jax_flash {
 
-std::vector<FfiTarget> ffi_targets() { return {}; }
+std::vector<FfiTarget> ffi_targets() {
+  return {
+      {"jax_flash_fwd", reinterpret_cast<void*>(jax_flash_fwd_handler)},
+      {"jax_flash_bwd", reinterpret_cast<void*>(jax_flash_bwd_handler)},
+  };
+}
 
 }  // namespace jax_flash

@@ -1,0 +1,34 @@
+// The parameters of one attention call, filled by the FFI handlers and read by every kernel.
+// Tensors are contiguous in the JAX layout: q/o/do [B, T, N, H], k/v [B, S, K, H];
+// lse and delta [B, N, T] float32.
+#pragma once
+
+#include <cstdint>
+
+namespace jax_flash {
+
+struct FwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;  // natural-log log-sum-exp of the (scaled, capped) logits; -inf for empty rows
+
+  int batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim;
+  float scale;          // logit scale (applied before the soft cap)
+  float softcap;        // 0: no soft cap
+  int window_left;      // -1: unbounded. Key j is visible to query i when
+  int window_right;     //   -window_left <= j - (i + seqlen_k - seqlen_q) <= window_right
+};
+
+struct BwdParams : FwdParams {
+  const void* dout;
+  const float* dlse;  // [B, N, T]: cotangent of the returned lse (enters delta as -dlse)
+  void* dq;
+  void* dk;
+  void* dv;
+  float* dq_accum;  // [B, T, N, H] float32 scratch owned by XLA (an extra output of the call)
+  float* delta;     // [B, N, T]: rowsum(dO * O), the softmax backward's per-row term
+};
+
+}  // namespace jax_flash

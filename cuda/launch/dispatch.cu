@@ -1,0 +1,54 @@
+// Dispatch from runtime (dtype, head dim) to the compiled instantiations.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "launch/dispatch.h"
+
+namespace jax_flash {
+namespace {
+
+template <typename Fn>
+cudaError_t by_head_dim(int head_dim, Fn&& fn) {
+  switch (head_dim) {
+    case 32: return fn(std::integral_constant<int, 32>{});
+    case 64: return fn(std::integral_constant<int, 64>{});
+    case 96: return fn(std::integral_constant<int, 96>{});
+    case 128: return fn(std::integral_constant<int, 128>{});
+    case 192: return fn(std::integral_constant<int, 192>{});
+    case 256: return fn(std::integral_constant<int, 256>{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t fwd_for(const FwdParams& p, cudaStream_t stream) {
+  return by_head_dim(p.head_dim, [&](auto d) {
+    return run_fwd_sm80<T, decltype(d)::value>(p, stream);
+  });
+}
+
+template <typename T>
+cudaError_t bwd_for(const BwdParams& p, cudaStream_t stream) {
+  if (!bwd_supports_head_dim(p.head_dim)) return cudaErrorInvalidValue;
+  return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
+    if constexpr (decltype(d)::value <= 128) {
+      return run_bwd_sm80<T, decltype(d)::value>(p, stream);
+    } else {
+      return cudaErrorInvalidValue;
+    }
+  });
+}
+
+}  // namespace
+
+cudaError_t run_fwd(DType dtype, const FwdParams& p, cudaStream_t stream) {
+  return dtype == DType::kFloat16 ? fwd_for<__half>(p, stream) : fwd_for<__nv_bfloat16>(p, stream);
+}
+
+cudaError_t run_bwd(DType dtype, const BwdParams& p, cudaStream_t stream) {
+  return dtype == DType::kFloat16 ? bwd_for<__half>(p, stream) : bwd_for<__nv_bfloat16>(p, stream);
+}
+
+}  // namespace jax_flash

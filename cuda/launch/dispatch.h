@@ -1,0 +1,28 @@
+// The one switch from (element type, head dim, architecture) to a kernel instantiation.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/params.h"
+
+namespace jax_flash {
+
+enum class DType { kFloat16, kBFloat16 };
+
+// Head dims with kernels; other sizes are padded up to the next one by the Python layer.
+inline bool fwd_supports_head_dim(int d) {
+  return d == 32 || d == 64 || d == 96 || d == 128 || d == 192 || d == 256;
+}
+inline bool bwd_supports_head_dim(int d) { return d == 32 || d == 64 || d == 96 || d == 128; }
+
+// The launch status. Callers check the head dim first (cudaErrorInvalidValue otherwise).
+cudaError_t run_fwd(DType dtype, const FwdParams& p, cudaStream_t stream);
+cudaError_t run_bwd(DType dtype, const BwdParams& p, cudaStream_t stream);
+
+// Declarations of the instantiations in cuda/generated/ (one .cu each).
+template <typename T, int kHeadDim>
+cudaError_t run_fwd_sm80(const FwdParams& p, cudaStream_t stream);
+template <typename T, int kHeadDim>
+cudaError_t run_bwd_sm80(const BwdParams& p, cudaStream_t stream);
+
+}  // namespace jax_flash

@@ -1,0 +1,226 @@
+// FlashAttention-2 forward on mma.sync (sm_80 and newer).
+//
+// One CTA computes kBlockM query rows of one head; each warp owns 16 rows, so the softmax
+// statistics of a row live in the 4 threads of one quad and need no shared memory. K and V
+// tiles stream through shared memory with cp.async: V[j] loads while S = Q K[j]^T runs, and
+// K[j-1] loads while the softmax and O += P V[j] run. Key blocks are visited from the last one
+// down, so the (few) blocks that need the band mask come first and the rest run unmasked.
+#pragma once
+
+#include <cmath>
+
+#include "common/mask.cuh"
+#include "common/params.h"
+#include "common/ptx.cuh"
+#include "common/tile.cuh"
+#include "sm80/traits.cuh"
+
+namespace jax_flash::sm80 {
+
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
+  using T = typename Cfg::T;
+  using QTile = typename Cfg::QTile;
+  using KTile = typename Cfg::KTile;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  constexpr int kNTiles = kBlockN / 8;    // n8 tiles of S per warp
+  constexpr int kDTiles = kHeadDim / 8;   // n8 tiles of O per warp
+  constexpr int kKSteps = kHeadDim / 16;  // k16 steps of Q K^T
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  extern __shared__ __align__(128) char smem[];
+  const uint32_t sQ = ptx::smem_addr(smem);
+  const uint32_t sK = sQ + QTile::kBytes;
+  const uint32_t sV = sK + KTile::kBytes;
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  // Longest rows first: with a causal band the last query blocks have the most keys.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int batch = blockIdx.y / p.heads, head = blockIdx.y % p.heads;
+  const int kv_head = head / (p.heads / p.kv_heads);
+  const int q_first = m_block * kBlockM;
+  const int rows_valid = min(kBlockM, p.seqlen_q - q_first);
+  const Band band = Band::from(p);
+
+  const int64_t q_row_stride = int64_t(p.heads) * kHeadDim;
+  const int64_t kv_row_stride = int64_t(p.kv_heads) * kHeadDim;
+  const T* gQ = static_cast<const T*>(p.q) + (int64_t(batch) * p.seqlen_q + q_first) * q_row_stride +
+                head * kHeadDim;
+  const T* gK = static_cast<const T*>(p.k) + int64_t(batch) * p.seqlen_k * kv_row_stride +
+                kv_head * kHeadDim;
+  const T* gV = static_cast<const T*>(p.v) + int64_t(batch) * p.seqlen_k * kv_row_stride +
+                kv_head * kHeadDim;
+  T* gO = static_cast<T*>(p.o) + (int64_t(batch) * p.seqlen_q + q_first) * q_row_stride +
+          head * kHeadDim;
+  float* gLse = p.lse + (int64_t(batch) * p.heads + head) * p.seqlen_q + q_first;
+
+  const int n_begin = band.key_begin(q_first) / kBlockN;
+  const int n_end = (band.key_end(q_first + rows_valid - 1) + kBlockN - 1) / kBlockN;
+
+  // Per-thread rows: r0 = warp*16 + lane/4 and r0 + 8 (the mma accumulator layout).
+  const int row0 = warp * 16 + lane / 4;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};  // partial over this thread's columns; quad-reduced at the end
+  float acc_o[kDTiles][4];
+#pragma unroll
+  for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc_o[d][i] = 0.f;
+
+  if (n_begin < n_end) {
+    load_tile_async<QTile, Cfg::kThreads>(sQ, gQ, q_row_stride, rows_valid, tid);
+    load_tile_async<KTile, Cfg::kThreads>(sK, gK + int64_t(n_end - 1) * kBlockN * kv_row_stride,
+                                          kv_row_stride, p.seqlen_k - (n_end - 1) * kBlockN, tid);
+    ptx::cp_async_commit();
+
+    // Q fragments (A operand): lanes 0-15 give rows, lanes 16-31 the second 8 columns.
+    uint32_t q_frag[Cfg::kQInRegs ? kKSteps : 1][4];
+    auto load_q_frag = [&](uint32_t (&frag)[4], int ks) {
+      ptx::ldmatrix_x4(frag, sQ + QTile::offset(warp * 16 + lane % 16, ks * 2 + lane / 16));
+    };
+
+    for (int n_block = n_end - 1; n_block >= n_begin; --n_block) {
+      const int k_first = n_block * kBlockN;
+      load_tile_async<KTile, Cfg::kThreads>(sV, gV + int64_t(k_first) * kv_row_stride,
+                                            kv_row_stride, p.seqlen_k - k_first, tid);
+      ptx::cp_async_commit();
+      ptx::cp_async_wait<1>();  // K[n_block] (and Q) have landed; V[n_block] may be in flight
+      __syncthreads();
+      if (Cfg::kQInRegs && n_block == n_end - 1) {
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks) load_q_frag(q_frag[Cfg::kQInRegs ? ks : 0], ks);
+      }
+
+      // S = Q K^T for this warp's 16 rows x kBlockN keys.
+      float acc_s[kNTiles][4];
+#pragma unroll
+      for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc_s[n][i] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t q_reload[4];
+        if constexpr (!Cfg::kQInRegs) load_q_frag(q_reload, ks);
+        const uint32_t(&a)[4] = Cfg::kQInRegs ? q_frag[Cfg::kQInRegs ? ks : 0] : q_reload;
+#pragma unroll
+        for (int n = 0; n < kNTiles; n += 2) {
+          // Matrices: keys n*8..+7 (cols 2ks, 2ks+1), keys (n+1)*8..+7 (same cols).
+          uint32_t b[4];
+          ptx::ldmatrix_x4(b, sK + KTile::offset(n * 8 + lane % 8 + (lane / 16) * 8,
+                                                 ks * 2 + (lane / 8) % 2));
+          ptx::mma_16816<T>(acc_s[n], a, b[0], b[1]);
+          ptx::mma_16816<T>(acc_s[n + 1], a, b[2], b[3]);
+        }
+      }
+      __syncthreads();  // every warp is done reading K[n_block]: its buffer takes K[n_block - 1]
+      if (n_block > n_begin) {
+        load_tile_async<KTile, Cfg::kThreads>(
+            sK, gK + int64_t(k_first - kBlockN) * kv_row_stride, kv_row_stride,
+            p.seqlen_k - (k_first - kBlockN), tid);
+      }
+      ptx::cp_async_commit();  // possibly empty, so that wait<1> below always means "V landed"
+
+      // Band mask, only on blocks that straddle it or the end of the keys.
+      if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int q = q_first + row0 + (i / 2) * 8;
+            const int k = k_first + n * 8 + (lane % 4) * 2 + i % 2;
+            if (!band.visible(q, k)) acc_s[n][i] = -INFINITY;
+          }
+      }
+
+      // Online softmax in base 2 with the scale folded in (one FFMA per element).
+      const float scale_log2 = p.scale * kLog2e;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float block_max = row_max[r];
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n)
+          block_max = fmaxf(block_max, fmaxf(acc_s[n][2 * r], acc_s[n][2 * r + 1]));
+        block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
+        block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
+        // A row that has seen nothing visible keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
+        const float shift = block_max == -INFINITY ? 0.f : block_max * scale_log2;
+        const float rescale = ptx::exp2(row_max[r] * scale_log2 - shift);
+        row_max[r] = block_max;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float& s = acc_s[n][2 * r + c];
+            s = ptx::exp2(s * scale_log2 - shift);
+            sum += s;
+          }
+        row_sum[r] = row_sum[r] * rescale + sum;
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+          acc_o[d][2 * r] *= rescale;
+          acc_o[d][2 * r + 1] *= rescale;
+        }
+      }
+
+      ptx::cp_async_wait<1>();  // V[n_block] has landed; K[n_block - 1] may be in flight
+      __syncthreads();
+      // O += P V: the S accumulators of two n8 tiles form the A fragment of one k16 step.
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        const uint32_t a[4] = {
+            ptx::pack2<T>(acc_s[2 * ks][0], acc_s[2 * ks][1]),
+            ptx::pack2<T>(acc_s[2 * ks][2], acc_s[2 * ks][3]),
+            ptx::pack2<T>(acc_s[2 * ks + 1][0], acc_s[2 * ks + 1][1]),
+            ptx::pack2<T>(acc_s[2 * ks + 1][2], acc_s[2 * ks + 1][3]),
+        };
+#pragma unroll
+        for (int d = 0; d < kDTiles; d += 2) {
+          // Transposed matrices: keys ks*16..+7 / +8..+15 for columns d*8.. and (d+1)*8..
+          uint32_t b[4];
+          ptx::ldmatrix_x4_trans(b, sV + KTile::offset(ks * 16 + lane % 8 + ((lane / 8) % 2) * 8,
+                                                       d + lane / 16));
+          ptx::mma_16816<T>(acc_o[d], a, b[0], b[1]);
+          ptx::mma_16816<T>(acc_o[d + 1], a, b[2], b[3]);
+        }
+      }
+      __syncthreads();  // every warp is done reading V[n_block] before the next V load
+    }
+  }
+
+  // Epilogue: normalise, stage this warp's 16 rows in its own rows of sQ, store 16-byte chunks.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    const bool empty = sum == 0.f;  // nothing visible: output 0, lse -inf
+    const float inv = empty ? 0.f : 1.f / sum;
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d) {
+      const uint32_t packed = ptx::pack2<T>(acc_o[d][2 * r] * inv, acc_o[d][2 * r + 1] * inv);
+      const int row = row0 + r * 8;
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sQ + QTile::offset(row, d) + (lane % 4) * 4),
+                   "r"(packed));
+    }
+    const int row = row0 + r * 8;
+    if (lane % 4 == 0 && row < rows_valid) {
+      gLse[row] = empty ? -INFINITY : row_max[r] * p.scale + logf(sum);
+    }
+  }
+  __syncwarp();
+  constexpr int kChunks = QTile::kChunks;
+#pragma unroll
+  for (int i = lane; i < 16 * kChunks; i += 32) {
+    const int row = warp * 16 + i / kChunks, chunk = i % kChunks;
+    if (row < rows_valid) {
+      uint4 value;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
+                   : "r"(sQ + QTile::offset(row, chunk)));
+      *reinterpret_cast<uint4*>(gO + row * q_row_stride + chunk * 8) = value;
+    }
+  }
+}
+
+}  // namespace jax_flash::sm80

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build the extension (incrementally, in the ignored build/ folder),
+# run the GPU tests, run the benchmark. Logs go to $OUT (the device tool's result folder) or
+# ./gpu_logs. Usage: scripts/gpu_check.sh [build|test|bench|all] [extra args for that step]
+#   TESTS="tests/test_cuda.py -k causal"   which tests the test step runs
+#   BENCH="--quick"                         arguments of python -m jax_flash.bench
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+step=${1:-all}
+PY=${PYTHON:-python3}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
+  --format=csv > "$OUT/device.txt" 2>&1
+# FlashAttention-3's JAX binding, carried as a wheel in .whl/, becomes a benchmark column.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && \
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+if [[ $step == build || $step == all ]]; then
+  start=$(date +%s)
+  # Only sm_90a here: the sm80 kernels compiled for it are the code the H100 runs anyway.
+  JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_ARCHS=${JAX_FLASH_CUDA_ARCHS:-90a} JAX_FLASH_PTXAS_VERBOSE=1 \
+    $PY -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 \
+    || { tail -50 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
+  grep -E "Compiling entry|registers|spill" "$OUT/build.log" | sed 's/^ *//' > "$OUT/ptxas.txt"
+  echo "build: $(( $(date +%s) - start )) s; kernels with spills:"
+  grep -B1 -E "[1-9][0-9]* bytes spill stores" "$OUT/ptxas.txt" | grep -o "entry function '[^']*'" | sort -u || true
+fi
+
+if [[ $step == test || $step == all ]]; then
+  $PY -m pytest -q -x -m gpu ${TESTS:-tests/test_cuda.py} ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | tail -30
+fi
+
+if [[ $step == bench || $step == all ]]; then
+  $PY -m jax_flash.bench ${BENCH:-} --plot "$OUT/bench.png" --json "$OUT/bench.json" \
+    2> "$OUT/bench_progress.log" | tee "$OUT/bench.log"
+fi

@@ -1,0 +1,13 @@
+"""The benchmark runs end to end (on a CPU it compares the xla paths) and writes its plot."""
+
+from jax_flash import bench
+
+
+def test_quick_benchmark_table_and_plot(tmp_path, capsys):
+    png, js = tmp_path / "bench.png", tmp_path / "bench.json"
+    rows = bench.main(["--quick", "--plot", str(png), "--json", str(js)])
+    out = capsys.readouterr().out
+    assert {r["impl"] for r in rows} >= {"jax_flash", "xla"}
+    assert all(r["tflops"] is not None and r["tflops"] > 0 for r in rows)
+    assert "jax_flash / " in out and out.count("\n| ") >= 8  # header + 2 seqlens x 2 causal x 2 passes
+    assert png.stat().st_size > 10_000 and js.stat().st_size > 100

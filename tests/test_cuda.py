@@ -1,0 +1,159 @@
+"""The CUDA kernels (marked `gpu`: skipped without a CUDA GPU and the compiled extension).
+
+Every check draws fresh random inputs, fills the GPU allocator's free memory with NaN first (so an
+output element the kernel never writes shows up as NaN), and compares against the float64
+reference and the xla path on the same inputs.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from tests import reference
+from tests.cases import qkv, rng_for
+
+pytestmark = pytest.mark.gpu
+
+FWD_TOL, GRAD_TOL = 1e-2, 2e-2  # bf16/fp16 relative error bounds against float64
+
+
+def poison_free_memory():
+    """Allocate and free ~1 GiB of NaN so the next outputs likely land on NaN-filled memory."""
+    junk = jnp.full((256 * 1024 * 1024,), jnp.nan, jnp.float32)
+    junk.block_until_ready()
+    del junk
+
+
+def run(implementation, q, k, v, g_out, **kw):
+    """Output, lse and (dq, dk, dv) of sum(out * g_out)."""
+
+    def loss(q, k, v):
+        out = jax_flash.attention(q, k, v, implementation=implementation, **kw)
+        return jnp.sum(out.astype(jnp.float32) * g_out)
+
+    fwd = jax.jit(lambda q, k, v: jax_flash.attention(
+        q, k, v, implementation=implementation, return_residual=True, **kw))
+    poison_free_memory()
+    out, lse = fwd(q, k, v)
+    poison_free_memory()
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    return out, lse, grads
+
+
+def check(dtype, b, t, s, n, kv_heads, h, **kw):
+    rng = rng_for("cuda", dtype, b, t, s, n, kv_heads, h, tuple(sorted(kw.items())))
+    q, k, v = qkv(rng, dtype, b, t, s, n, kv_heads, h)
+    g_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    ours = run("cuda", q, k, v, g_out, **kw)
+    xla = run("xla", q, k, v, g_out, **kw)
+
+    def ref_loss(q, k, v):
+        return jnp.sum(reference.attention(q, k, v, **kw)[0] * g_out)
+
+    ref_out, ref_lse = reference.attention(q, k, v, **kw)
+    ref_grads = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
+    checks = [("out", 0, FWD_TOL, ours[0], xla[0], ref_out), ("lse", 1, 1e-4, ours[1], xla[1], ref_lse)]
+    checks += [(f"d{name}", 2, GRAD_TOL, g, gx, gr)
+               for name, g, gx, gr in zip("qkv", ours[2], xla[2], ref_grads)]
+    for name, _, bound, mine, xla_value, ref in checks:
+        err, xla_err = reference.rel_error(mine, ref), reference.rel_error(xla_value, ref)
+        assert err < bound, f"{name}: {err:.2e} >= {bound}"
+        assert err <= 2 * xla_err + 1e-3, f"{name}: {err:.2e} vs xla path {xla_err:.2e}"
+    assert ours[0].dtype == dtype and ours[1].dtype == jnp.float32
+    return (q, k, v, g_out), ours
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("h", [32, 64, 96, 128, 192, 256, 80])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_head_dims_and_dtypes(dtype, h, is_causal):
+    check(dtype, 2, 129, 300, 4, 2, h, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("t,s", [(1, 1), (7, 7), (129, 129), (1000, 1000), (4097, 4097),
+                                 (1, 4097), (4097, 129), (7, 1000)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_lengths(t, s, is_causal):
+    check(jnp.bfloat16, 1, t, s, 2, 1, 128, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("n,kv_heads", [(8, 8), (8, 2), (8, 1)])
+@pytest.mark.parametrize("window", [None, (64, 0), (100, 30)])
+def test_gqa_and_windows(n, kv_heads, window):
+    check(jnp.bfloat16, 2, 500, 700, n, kv_heads, 64, local_window_size=window)
+
+
+def test_repeatable_forward_and_dk_dv():
+    """Same inputs twice: bit-identical output, lse, dK and dV (a moving result is a race)."""
+    inputs, first = check(jnp.bfloat16, 2, 1000, 1000, 4, 2, 128, is_causal=True)
+    for _ in range(3):
+        again = run("cuda", *inputs, is_causal=True)
+        np.testing.assert_array_equal(again[0], first[0])
+        np.testing.assert_array_equal(again[1], first[1])
+        np.testing.assert_array_equal(again[2][1], first[2][1])
+        np.testing.assert_array_equal(again[2][2], first[2][2])
+
+
+def _custom_call_targets(fn, *args):
+    return jax.jit(fn).lower(*args).as_text()
+
+
+def test_auto_mode_uses_the_kernels():
+    q, k, v = qkv(rng_for("auto"), jnp.bfloat16, 1, 256, 256, 2, 2, 64)
+    fwd_text = _custom_call_targets(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True), q, k, v)
+    grad_text = _custom_call_targets(
+        jax.grad(lambda q, k, v: jax_flash.attention(q, k, v).astype(jnp.float32).sum()), q, k, v)
+    assert "jax_flash_fwd" in fwd_text
+    assert "jax_flash_bwd" in grad_text
+    # float32 is not a kernel dtype: auto mode takes the xla path.
+    q32 = q.astype(jnp.float32)
+    assert "jax_flash_fwd" not in _custom_call_targets(lambda q: jax_flash.attention(q, q, q), q32)
+
+
+def test_cuda_raises_on_what_it_cannot_run():
+    q, k, v = qkv(rng_for("raise"), jnp.float32, 1, 16, 16, 2, 2, 64)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        jax_flash.attention(q, k, v, implementation="cuda")
+    with pytest.raises(ValueError, match="head dim 320"):
+        q = jnp.zeros((1, 16, 2, 320), jnp.bfloat16)
+        jax_flash.attention(q, q, q, implementation="cuda")
+
+
+def test_vmap_and_checkpointed_scan():
+    rng = rng_for("transforms")
+    q, k, v = qkv(rng, jnp.bfloat16, 4, 256, 256, 2, 2, 64)
+    stacked = [x.reshape(2, 2, *x.shape[1:]) for x in (q, k, v)]
+    f = lambda q, k, v, **kw: jax_flash.attention(q, k, v, implementation="cuda", **kw)  # noqa: E731
+    batched = jax.jit(jax.vmap(lambda q, k, v: f(q, k, v, is_causal=True)))(*stacked).reshape(q.shape)
+    assert reference.rel_error(batched, reference.attention(q, k, v, is_causal=True)[0]) < FWD_TOL
+
+    weights = jnp.asarray(rng.normal(size=(3, 64, 64)) / 8, jnp.bfloat16)
+
+    def model(x, weights, attn):
+        def body(x, w):
+            y = (x @ w).astype(x.dtype)
+            return x + attn(y, y, y, is_causal=True).astype(x.dtype), None
+        return jax.lax.scan(jax.checkpoint(body), x, weights)[0].astype(jnp.float32).sum()
+
+    ours = jax.jit(jax.grad(model, argnums=1), static_argnums=2)(q, weights, f)
+    xla = jax.jit(jax.grad(model, argnums=1), static_argnums=2)(
+        q, weights, lambda q, k, v, **kw: jax_flash.attention(q, k, v, implementation="xla", **kw))
+    assert reference.rel_error(ours, xla) < GRAD_TOL
+
+
+def test_long_sequence_one_head():
+    """Memory stays O(seqlen): 131072 tokens, one head, forward and backward."""
+    q, k, v = qkv(rng_for("long"), jnp.bfloat16, 1, 131072, 131072, 1, 1, 128)
+
+    def loss(q, k, v):
+        return jax_flash.attention(q, k, v, is_causal=True, implementation="cuda").astype(jnp.float32).sum()
+
+    out = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True))(q, k, v)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert not jnp.isnan(out.astype(jnp.float32)).any()
+    assert all(not jnp.isnan(g.astype(jnp.float32)).any() for g in grads)
+    # The last query sees every key: its output is the mean of V weighted by softmax.
+    tail = reference.attention(q[:, -1:], k, v, is_causal=True)[0]
+    assert reference.rel_error(out[:, -1:], tail) < FWD_TOL
