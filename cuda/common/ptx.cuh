@@ -84,6 +84,15 @@ __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
 }
 
+// Returns x through an opaque move. Shared-memory base addresses passed through this at the top
+// of a main loop keep the compiler from hoisting every swizzled fragment address out of the loop
+// (dozens of registers that the accumulators need); recomputing them costs a few integer ops.
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  uint32_t y;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 __device__ __forceinline__ float exp2(float x) { return exp2f(x); }  // ex2.approx with fast math
 
 }  // namespace jax_flash::ptx

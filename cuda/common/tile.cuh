@@ -37,7 +37,9 @@ template <typename Tile, int kThreads, typename T>
 __device__ __forceinline__ void load_tile_async(uint32_t smem, const T* gmem, int64_t row_stride,
                                                 int rows_valid, int tid) {
   constexpr int kTotal = Tile::kRows * Tile::kChunks;
-#pragma unroll
+  // Not unrolled: unrolled, the compiler hoists every iteration's addresses out of the caller's
+  // main loop and keeps them live in registers that S and O need.
+#pragma unroll 1
   for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
     const int i = tid + it * kThreads;
     if (kTotal % kThreads != 0 && i >= kTotal) break;

@@ -71,15 +71,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   constexpr int kKSteps = kHeadDim / 16;  // k16 steps over the head dim
 
   extern __shared__ __align__(128) char smem[];
-  const uint32_t sK = ptx::smem_addr(smem);
-  const uint32_t sV = sK + KTile::kBytes;
-  const uint32_t sStages = sV + KTile::kBytes;
-  const uint32_t sDs = sStages + Cfg::kStages * Cfg::kStageBytes;
+  const uint32_t smem_base = ptx::smem_addr(smem);
+  // Layout: K, V, kStages x (Q, dO, lse, delta), dS^T. Re-derived from an opaque base in the main
+  // loop (see ptx::opaque) so that fragment addresses are not all hoisted into registers.
+  uint32_t sK = smem_base, sV = sK + KTile::kBytes, sStages = sV + KTile::kBytes;
+  uint32_t sDs = sStages + Cfg::kStages * Cfg::kStageBytes;
   // Per stage: Q tile, dO tile, lse (log2 units, +inf on rows that must give P = 0), delta.
   auto stage_q = [&](int s) { return sStages + s * Cfg::kStageBytes; };
   auto stage_do = [&](int s) { return stage_q(s) + QTile::kBytes; };
   auto stage_stats = [&](int s) {
-    return reinterpret_cast<float*>(smem + (stage_do(s) + QTile::kBytes - sK));
+    return reinterpret_cast<float*>(smem + (stage_do(s) + QTile::kBytes - smem_base));
   };
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -135,6 +136,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
 
   const int key_row = warp * 16 + lane / 4;  // this thread's key rows: key_row and key_row + 8
   for (int s = 0; s < steps; ++s) {
+    sK = ptx::opaque(smem_base);
+    sV = sK + KTile::kBytes;
+    sStages = sV + KTile::kBytes;
+    sDs = sStages + Cfg::kStages * Cfg::kStageBytes;
     const int stage = s % Cfg::kStages;
     if (s + 1 < steps) prefetch(s + 1, (s + 1) % Cfg::kStages);
     ptx::cp_async_commit();

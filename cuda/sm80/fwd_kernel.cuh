@@ -1,7 +1,8 @@
 // FlashAttention-2 forward on mma.sync (sm_80 and newer).
 //
-// One CTA computes kBlockM query rows of one head; each warp owns 16 rows, so the softmax
-// statistics of a row live in the 4 threads of one quad and need no shared memory. K and V
+// One CTA computes kBlockM query rows of one head; each warp owns kWarpRows of them (one or two
+// m16 tiles: two halve the shared-memory reads of K and V per FLOP), so the softmax statistics of
+// a row live in the 4 threads of one quad and need no shared memory. K and V
 // tiles stream through shared memory with cp.async: V[j] loads while S = Q K[j]^T runs, and
 // K[j-1] loads while the softmax and O += P V[j] run. Key blocks are visited from the last one
 // down, so the (few) blocks that need the band mask come first and the rest run unmasked.
@@ -23,16 +24,16 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   using QTile = typename Cfg::QTile;
   using KTile = typename Cfg::KTile;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  constexpr int kMTiles = Cfg::kWarpRows / 16;  // m16 tiles per warp
   constexpr int kNTiles = kBlockN / 8;    // n8 tiles of S per warp
   constexpr int kDTiles = kHeadDim / 8;   // n8 tiles of O per warp
   constexpr int kKSteps = kHeadDim / 16;  // k16 steps of Q K^T
   constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(128) char smem[];
-  const uint32_t sQ = ptx::smem_addr(smem);
-  const uint32_t sK = sQ + QTile::kBytes;
-  const uint32_t sV = sK + KTile::kBytes;
+  const uint32_t smem_base = ptx::smem_addr(smem);
 
+  uint32_t sQ = smem_base, sK = sQ + QTile::kBytes, sV = sK + KTile::kBytes;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   // Longest rows first: with a causal band the last query blocks have the most keys.
   const int m_block = gridDim.x - 1 - blockIdx.x;
@@ -57,15 +58,20 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   const int n_begin = band.key_begin(q_first) / kBlockN;
   const int n_end = (band.key_end(q_first + rows_valid - 1) + kBlockN - 1) / kBlockN;
 
-  // Per-thread rows: r0 = warp*16 + lane/4 and r0 + 8 (the mma accumulator layout).
-  const int row0 = warp * 16 + lane / 4;
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.f, 0.f};  // partial over this thread's columns; quad-reduced at the end
-  float acc_o[kDTiles][4];
+  // This thread's rows (the mma accumulator layout): warp_row0 + mt*16 + lane/4 + {0, 8}.
+  const int warp_row0 = warp * Cfg::kWarpRows;
+  auto thread_row = [&](int mt, int r) { return warp_row0 + mt * 16 + r * 8 + lane / 4; };
+  float row_max[kMTiles][2], row_sum[kMTiles][2];  // row_sum: this thread's columns only
+  float acc_o[kMTiles][kDTiles][4];
 #pragma unroll
-  for (int d = 0; d < kDTiles; ++d)
+  for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc_o[d][i] = 0.f;
+    for (int r = 0; r < 2; ++r) row_max[mt][r] = -INFINITY, row_sum[mt][r] = 0.f;
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_o[mt][d][i] = 0.f;
+  }
 
   if (n_begin < n_end) {
     load_tile_async<QTile, Cfg::kThreads>(sQ, gQ, q_row_stride, rows_valid, tid);
@@ -74,12 +80,15 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
     ptx::cp_async_commit();
 
     // Q fragments (A operand): lanes 0-15 give rows, lanes 16-31 the second 8 columns.
-    uint32_t q_frag[Cfg::kQInRegs ? kKSteps : 1][4];
-    auto load_q_frag = [&](uint32_t (&frag)[4], int ks) {
-      ptx::ldmatrix_x4(frag, sQ + QTile::offset(warp * 16 + lane % 16, ks * 2 + lane / 16));
+    uint32_t q_frag[kMTiles][Cfg::kQInRegs ? kKSteps : 1][4];
+    auto load_q_frag = [&](uint32_t (&frag)[4], int mt, int ks) {
+      ptx::ldmatrix_x4(frag, sQ + QTile::offset(warp_row0 + mt * 16 + lane % 16, ks * 2 + lane / 16));
     };
 
     for (int n_block = n_end - 1; n_block >= n_begin; --n_block) {
+      sQ = ptx::opaque(smem_base);
+      sK = sQ + QTile::kBytes;
+      sV = sK + KTile::kBytes;
       const int k_first = n_block * kBlockN;
       load_tile_async<KTile, Cfg::kThreads>(sV, gV + int64_t(k_first) * kv_row_stride,
                                             kv_row_stride, p.seqlen_k - k_first, tid);
@@ -88,28 +97,38 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
       __syncthreads();
       if (Cfg::kQInRegs && n_block == n_end - 1) {
 #pragma unroll
-        for (int ks = 0; ks < kKSteps; ++ks) load_q_frag(q_frag[Cfg::kQInRegs ? ks : 0], ks);
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int ks = 0; ks < kKSteps; ++ks) load_q_frag(q_frag[mt][Cfg::kQInRegs ? ks : 0], mt, ks);
       }
 
-      // S = Q K^T for this warp's 16 rows x kBlockN keys.
-      float acc_s[kNTiles][4];
+      // S = Q K^T for this warp's rows x kBlockN keys; each K fragment serves every m16 tile.
+      float acc_s[kMTiles][kNTiles][4];
 #pragma unroll
-      for (int n = 0; n < kNTiles; ++n)
+      for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc_s[n][i] = 0.f;
+        for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc_s[mt][n][i] = 0.f;
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
-        uint32_t q_reload[4];
-        if constexpr (!Cfg::kQInRegs) load_q_frag(q_reload, ks);
-        const uint32_t(&a)[4] = Cfg::kQInRegs ? q_frag[Cfg::kQInRegs ? ks : 0] : q_reload;
+        uint32_t q_reload[kMTiles][4];
+        if constexpr (!Cfg::kQInRegs) {
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt) load_q_frag(q_reload[mt], mt, ks);
+        }
 #pragma unroll
         for (int n = 0; n < kNTiles; n += 2) {
           // Matrices: keys n*8..+7 (cols 2ks, 2ks+1), keys (n+1)*8..+7 (same cols).
           uint32_t b[4];
           ptx::ldmatrix_x4(b, sK + KTile::offset(n * 8 + lane % 8 + (lane / 16) * 8,
                                                  ks * 2 + (lane / 8) % 2));
-          ptx::mma_16816<T>(acc_s[n], a, b[0], b[1]);
-          ptx::mma_16816<T>(acc_s[n + 1], a, b[2], b[3]);
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            const uint32_t(&a)[4] = Cfg::kQInRegs ? q_frag[mt][Cfg::kQInRegs ? ks : 0] : q_reload[mt];
+            ptx::mma_16816<T>(acc_s[mt][n], a, b[0], b[1]);
+            ptx::mma_16816<T>(acc_s[mt][n + 1], a, b[2], b[3]);
+          }
         }
       }
       __syncthreads();  // every warp is done reading K[n_block]: its buffer takes K[n_block - 1]
@@ -123,43 +142,47 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
       // Band mask, only on blocks that straddle it or the end of the keys.
       if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
 #pragma unroll
-        for (int n = 0; n < kNTiles; ++n)
+        for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int q = q_first + row0 + (i / 2) * 8;
-            const int k = k_first + n * 8 + (lane % 4) * 2 + i % 2;
-            if (!band.visible(q, k)) acc_s[n][i] = -INFINITY;
-          }
+          for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int q = q_first + thread_row(mt, i / 2);
+              const int k = k_first + n * 8 + (lane % 4) * 2 + i % 2;
+              if (!band.visible(q, k)) acc_s[mt][n][i] = -INFINITY;
+            }
       }
 
       // Online softmax in base 2 with the scale folded in (one FFMA per element).
       const float scale_log2 = p.scale * kLog2e;
 #pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float block_max = row_max[r];
+        float block_max = row_max[mt][r];
 #pragma unroll
         for (int n = 0; n < kNTiles; ++n)
-          block_max = fmaxf(block_max, fmaxf(acc_s[n][2 * r], acc_s[n][2 * r + 1]));
+          block_max = fmaxf(block_max, fmaxf(acc_s[mt][n][2 * r], acc_s[mt][n][2 * r + 1]));
         block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
         block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
         // A row that has seen nothing visible keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
         const float shift = block_max == -INFINITY ? 0.f : block_max * scale_log2;
-        const float rescale = ptx::exp2(row_max[r] * scale_log2 - shift);
-        row_max[r] = block_max;
+        const float rescale = ptx::exp2(row_max[mt][r] * scale_log2 - shift);
+        row_max[mt][r] = block_max;
         float sum = 0.f;
 #pragma unroll
         for (int n = 0; n < kNTiles; ++n)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            float& s = acc_s[n][2 * r + c];
+            float& s = acc_s[mt][n][2 * r + c];
             s = ptx::exp2(s * scale_log2 - shift);
             sum += s;
           }
-        row_sum[r] = row_sum[r] * rescale + sum;
+        row_sum[mt][r] = row_sum[mt][r] * rescale + sum;
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
-          acc_o[d][2 * r] *= rescale;
-          acc_o[d][2 * r + 1] *= rescale;
+          acc_o[mt][d][2 * r] *= rescale;
+          acc_o[mt][d][2 * r + 1] *= rescale;
         }
       }
 
@@ -168,51 +191,57 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
       // O += P V: the S accumulators of two n8 tiles form the A fragment of one k16 step.
 #pragma unroll
       for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        const uint32_t a[4] = {
-            ptx::pack2<T>(acc_s[2 * ks][0], acc_s[2 * ks][1]),
-            ptx::pack2<T>(acc_s[2 * ks][2], acc_s[2 * ks][3]),
-            ptx::pack2<T>(acc_s[2 * ks + 1][0], acc_s[2 * ks + 1][1]),
-            ptx::pack2<T>(acc_s[2 * ks + 1][2], acc_s[2 * ks + 1][3]),
-        };
+        uint32_t a[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          a[mt][0] = ptx::pack2<T>(acc_s[mt][2 * ks][0], acc_s[mt][2 * ks][1]);
+          a[mt][1] = ptx::pack2<T>(acc_s[mt][2 * ks][2], acc_s[mt][2 * ks][3]);
+          a[mt][2] = ptx::pack2<T>(acc_s[mt][2 * ks + 1][0], acc_s[mt][2 * ks + 1][1]);
+          a[mt][3] = ptx::pack2<T>(acc_s[mt][2 * ks + 1][2], acc_s[mt][2 * ks + 1][3]);
+        }
 #pragma unroll
         for (int d = 0; d < kDTiles; d += 2) {
           // Transposed matrices: keys ks*16..+7 / +8..+15 for columns d*8.. and (d+1)*8..
           uint32_t b[4];
           ptx::ldmatrix_x4_trans(b, sV + KTile::offset(ks * 16 + lane % 8 + ((lane / 8) % 2) * 8,
                                                        d + lane / 16));
-          ptx::mma_16816<T>(acc_o[d], a, b[0], b[1]);
-          ptx::mma_16816<T>(acc_o[d + 1], a, b[2], b[3]);
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            ptx::mma_16816<T>(acc_o[mt][d], a[mt], b[0], b[1]);
+            ptx::mma_16816<T>(acc_o[mt][d + 1], a[mt], b[2], b[3]);
+          }
         }
       }
       __syncthreads();  // every warp is done reading V[n_block] before the next V load
     }
   }
 
-  // Epilogue: normalise, stage this warp's 16 rows in its own rows of sQ, store 16-byte chunks.
+  // Epilogue: normalise, stage this warp's rows in its own rows of sQ, store 16-byte chunks.
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float sum = row_sum[r];
+    const int row = thread_row(mt, r);
+    float sum = row_sum[mt][r];
     sum += __shfl_xor_sync(0xffffffff, sum, 1);
     sum += __shfl_xor_sync(0xffffffff, sum, 2);
     const bool empty = sum == 0.f;  // nothing visible: output 0, lse -inf
     const float inv = empty ? 0.f : 1.f / sum;
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d) {
-      const uint32_t packed = ptx::pack2<T>(acc_o[d][2 * r] * inv, acc_o[d][2 * r + 1] * inv);
-      const int row = row0 + r * 8;
+      const uint32_t packed = ptx::pack2<T>(acc_o[mt][d][2 * r] * inv, acc_o[mt][d][2 * r + 1] * inv);
       asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sQ + QTile::offset(row, d) + (lane % 4) * 4),
                    "r"(packed));
     }
-    const int row = row0 + r * 8;
     if (lane % 4 == 0 && row < rows_valid) {
-      gLse[row] = empty ? -INFINITY : row_max[r] * p.scale + logf(sum);
+      gLse[row] = empty ? -INFINITY : row_max[mt][r] * p.scale + logf(sum);
     }
   }
   __syncwarp();
   constexpr int kChunks = QTile::kChunks;
 #pragma unroll
-  for (int i = lane; i < 16 * kChunks; i += 32) {
-    const int row = warp * 16 + i / kChunks, chunk = i % kChunks;
+  for (int i = lane; i < Cfg::kWarpRows * kChunks; i += 32) {
+    const int row = warp_row0 + i / kChunks, chunk = i % kChunks;
     if (row < rows_valid) {
       uint4 value;
       asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"

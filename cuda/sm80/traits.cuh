@@ -1,9 +1,8 @@
 // Tile sizes of the sm80 kernels, derived from the element type and head dim.
 //
-// Every warp owns 16 rows of each matrix product (the M of one mma.sync m16n8k16), so the row
-// statistics of the softmax stay inside a quad of threads. The register budget sets the rest:
-// the forward keeps O (16 x H fp32) per warp and, up to H = 128, the Q fragments too; the
-// backward keeps dK and dV (2 x 16 x H fp32) per warp, which limits it to H <= 128.
+// Every warp owns whole m16 tiles (the M of mma.sync m16n8k16), so the row statistics of the
+// softmax stay inside a quad of threads. The register budget sets the rest: the forward keeps O
+// (rows x H fp32) per warp, the backward dK and dV (2 x 16 x H fp32), which limits it to H <= 128.
 #pragma once
 
 #include "common/tile.cuh"
@@ -14,12 +13,17 @@ template <typename T_, int kHeadDim_>
 struct FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
-  // 8 warps x 16 rows amortise each K/V tile over 128 queries; above H = 128 the O accumulator
-  // alone takes H / 2 registers, so 4 warps and Q re-read from shared memory.
-  static constexpr int kBlockM = kHeadDim <= 128 ? 128 : 64;
-  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : (kHeadDim <= 192 ? 64 : 32);
-  static constexpr int kWarps = kBlockM / 16;
+  // Two m16 tiles per warp where registers allow (H <= 64): each K/V fragment read from shared
+  // memory then feeds two mma.sync, halving shared-memory traffic per FLOP. At H = 96 and 128
+  // the O and S accumulators of two tiles spill (measured, docs/PERF.md), so one tile per warp
+  // and 8 warps to still share each K/V tile among 128 queries; above, 4 warps of one tile.
+  static constexpr int kWarpRows = kHeadDim <= 64 ? 32 : 16;
+  static constexpr int kWarps = kHeadDim <= 64 || kHeadDim > 128 ? 4 : 8;
+  static constexpr int kBlockM = kWarps * kWarpRows;
+  // S (rows x kBlockN fp32) and O share the register file: narrower key blocks for large H.
+  static constexpr int kBlockN = kHeadDim <= 192 ? 64 : 32;
   static constexpr int kThreads = kWarps * 32;
+  // Q fragments stay in registers only where they fit beside S and O.
   static constexpr bool kQInRegs = kHeadDim <= 128;
   using QTile = SmemTile<kBlockM, kHeadDim>;
   using KTile = SmemTile<kBlockN, kHeadDim>;
