@@ -32,15 +32,16 @@ struct SmemTile {
 
 // Copy `rows_valid` rows of a [Tile::kRows, Tile::kCols] global tile (row stride in elements)
 // into shared memory with cp.async; rows past rows_valid are zero-filled. One commit group is
-// left to the caller.
-template <typename Tile, int kThreads, typename T>
+// left to the caller. Unrolled, the compiler hoists every iteration's addresses out of the
+// caller's main loop into registers: faster where S and O leave room (kUnroll), spills where not.
+template <typename Tile, int kThreads, bool kUnroll, typename T>
 __device__ __forceinline__ void load_tile_async(uint32_t smem, const T* gmem, int64_t row_stride,
                                                 int rows_valid, int tid) {
   constexpr int kTotal = Tile::kRows * Tile::kChunks;
-  // Not unrolled: unrolled, the compiler hoists every iteration's addresses out of the caller's
-  // main loop and keeps them live in registers that S and O need.
-#pragma unroll 1
-  for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
+  constexpr int kIterations = (kTotal + kThreads - 1) / kThreads;
+  constexpr int kUnrollCount = kUnroll ? kIterations : 1;
+#pragma unroll kUnrollCount
+  for (int it = 0; it < kIterations; ++it) {
     const int i = tid + it * kThreads;
     if (kTotal % kThreads != 0 && i >= kTotal) break;
     const int row = i / Tile::kChunks;

@@ -107,9 +107,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     const int q_first = (m_begin + s % m_count) * kBlockM;
     const int64_t offset = (int64_t(batch) * p.seqlen_q + q_first) * q_row_stride + head * kHeadDim;
     const int rows = p.seqlen_q - q_first;
-    load_tile_async<QTile, Cfg::kThreads>(stage_q(stage), static_cast<const T*>(p.q) + offset,
+    load_tile_async<QTile, Cfg::kThreads, false>(stage_q(stage), static_cast<const T*>(p.q) + offset,
                                           q_row_stride, rows, tid);
-    load_tile_async<QTile, Cfg::kThreads>(stage_do(stage), static_cast<const T*>(p.dout) + offset,
+    load_tile_async<QTile, Cfg::kThreads, false>(stage_do(stage), static_cast<const T*>(p.dout) + offset,
                                           q_row_stride, rows, tid);
     float* stats = stage_stats(stage);
     const int64_t row_offset = (int64_t(batch) * p.heads + head) * p.seqlen_q + q_first;
@@ -121,9 +121,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     }
   };
 
-  load_tile_async<KTile, Cfg::kThreads>(sK, static_cast<const T*>(p.k) + kv_offset, kv_row_stride,
+  load_tile_async<KTile, Cfg::kThreads, false>(sK, static_cast<const T*>(p.k) + kv_offset, kv_row_stride,
                                         keys_valid, tid);
-  load_tile_async<KTile, Cfg::kThreads>(sV, static_cast<const T*>(p.v) + kv_offset, kv_row_stride,
+  load_tile_async<KTile, Cfg::kThreads, false>(sV, static_cast<const T*>(p.v) + kv_offset, kv_row_stride,
                                         keys_valid, tid);
   if (steps > 0) prefetch(0, 0);
   ptx::cp_async_commit();

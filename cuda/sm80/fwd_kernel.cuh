@@ -74,8 +74,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   }
 
   if (n_begin < n_end) {
-    load_tile_async<QTile, Cfg::kThreads>(sQ, gQ, q_row_stride, rows_valid, tid);
-    load_tile_async<KTile, Cfg::kThreads>(sK, gK + int64_t(n_end - 1) * kBlockN * kv_row_stride,
+    load_tile_async<QTile, Cfg::kThreads, Cfg::kUnrollLoads>(sQ, gQ, q_row_stride, rows_valid, tid);
+    load_tile_async<KTile, Cfg::kThreads, Cfg::kUnrollLoads>(sK, gK + int64_t(n_end - 1) * kBlockN * kv_row_stride,
                                           kv_row_stride, p.seqlen_k - (n_end - 1) * kBlockN, tid);
     ptx::cp_async_commit();
 
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
       sK = sQ + QTile::kBytes;
       sV = sK + KTile::kBytes;
       const int k_first = n_block * kBlockN;
-      load_tile_async<KTile, Cfg::kThreads>(sV, gV + int64_t(k_first) * kv_row_stride,
+      load_tile_async<KTile, Cfg::kThreads, Cfg::kUnrollLoads>(sV, gV + int64_t(k_first) * kv_row_stride,
                                             kv_row_stride, p.seqlen_k - k_first, tid);
       ptx::cp_async_commit();
       ptx::cp_async_wait<1>();  // K[n_block] (and Q) have landed; V[n_block] may be in flight
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
       }
       __syncthreads();  // every warp is done reading K[n_block]: its buffer takes K[n_block - 1]
       if (n_block > n_begin) {
-        load_tile_async<KTile, Cfg::kThreads>(
+        load_tile_async<KTile, Cfg::kThreads, Cfg::kUnrollLoads>(
             sK, gK + int64_t(k_first - kBlockN) * kv_row_stride, kv_row_stride,
             p.seqlen_k - (k_first - kBlockN), tid);
       }

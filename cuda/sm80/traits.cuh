@@ -25,6 +25,8 @@ struct FwdConfig {
   static constexpr int kThreads = kWarps * 32;
   // Q fragments stay in registers only where they fit beside S and O.
   static constexpr bool kQInRegs = kHeadDim <= 128;
+  // Unrolled tile loads: +16% at H = 128 (docs/PERF.md), but spills at the other sizes.
+  static constexpr bool kUnrollLoads = kHeadDim == 96 || kHeadDim == 128;
   using QTile = SmemTile<kBlockM, kHeadDim>;
   using KTile = SmemTile<kBlockN, kHeadDim>;
   static constexpr int kSmemBytes = QTile::kBytes + 2 * KTile::kBytes;
