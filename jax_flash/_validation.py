@@ -37,10 +37,6 @@ class AttentionConfig:
     window_right: int | None = None
     softcap: float | None = None
 
-    @property
-    def is_causal(self) -> bool:
-        return self.window_right == 0 and self.window_left is None
-
 
 @dataclasses.dataclass(frozen=True)
 class Call:
@@ -57,13 +53,6 @@ class Call:
     kv_segment_ids: jax.Array | None  # int32 [B, S]
     config: AttentionConfig
     batched: bool  # False when the inputs came without a batch axis (TNH)
-
-    @property
-    def has_padding_or_segments(self) -> bool:
-        return any(
-            x is not None
-            for x in (self.query_seq_lengths, self.key_value_seq_lengths, self.q_segment_ids)
-        )
 
 
 def _as_array(x: Any, name: str) -> jax.Array:

@@ -84,6 +84,28 @@ __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
 }
 
+// The accumulators of two adjacent n8 tiles (mma C layout) as the A fragment of one k16 step:
+// the C and A layouts of m16n8k16 agree thread for thread, so nothing moves between lanes.
+template <typename T>
+__device__ __forceinline__ void accumulators_to_a(uint32_t (&a)[4], const float (&lo)[4],
+                                                  const float (&hi)[4]) {
+  a[0] = pack2<T>(lo[0], lo[1]);
+  a[1] = pack2<T>(lo[2], lo[3]);
+  a[2] = pack2<T>(hi[0], hi[1]);
+  a[3] = pack2<T>(hi[2], hi[3]);
+}
+
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value));
+}
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr));
+  return v;
+}
+
 // Returns x through an opaque move. Shared-memory base addresses passed through this at the top
 // of a main loop keep the compiler from hoisting every swizzled fragment address out of the loop
 // (dozens of registers that the accumulators need); recomputing them costs a few integer ops.

@@ -193,24 +193,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     // dV += P^T dO and dK += dS^T Q; dS^T also goes to shared memory for dQ.
 #pragma unroll
     for (int ks = 0; ks < kBlockM / 16; ++ks) {
-      const uint32_t a_p[4] = {
-          ptx::pack2<T>(acc_s[2 * ks][0], acc_s[2 * ks][1]),
-          ptx::pack2<T>(acc_s[2 * ks][2], acc_s[2 * ks][3]),
-          ptx::pack2<T>(acc_s[2 * ks + 1][0], acc_s[2 * ks + 1][1]),
-          ptx::pack2<T>(acc_s[2 * ks + 1][2], acc_s[2 * ks + 1][3]),
-      };
-      const uint32_t a_ds[4] = {
-          ptx::pack2<T>(acc_dp[2 * ks][0], acc_dp[2 * ks][1]),
-          ptx::pack2<T>(acc_dp[2 * ks][2], acc_dp[2 * ks][3]),
-          ptx::pack2<T>(acc_dp[2 * ks + 1][0], acc_dp[2 * ks + 1][1]),
-          ptx::pack2<T>(acc_dp[2 * ks + 1][2], acc_dp[2 * ks + 1][3]),
-      };
+      uint32_t a_p[4], a_ds[4];
+      ptx::accumulators_to_a<T>(a_p, acc_s[2 * ks], acc_s[2 * ks + 1]);
+      ptx::accumulators_to_a<T>(a_ds, acc_dp[2 * ks], acc_dp[2 * ks + 1]);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // the two n8 tiles (query columns) of this k16 step
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDs + DsTile::offset(key_row, 2 * ks + half) + (lane % 4) * 4),
-                     "r"(a_ds[2 * half]));
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDs + DsTile::offset(key_row + 8, 2 * ks + half) + (lane % 4) * 4),
-                     "r"(a_ds[2 * half + 1]));
+        const int byte = (lane % 4) * 4;
+        ptx::st_shared_b32(sDs + DsTile::offset(key_row, 2 * ks + half) + byte, a_ds[2 * half]);
+        ptx::st_shared_b32(sDs + DsTile::offset(key_row + 8, 2 * ks + half) + byte, a_ds[2 * half + 1]);
       }
 #pragma unroll
       for (int d = 0; d < kDTiles; d += 2) {
@@ -274,10 +264,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d) {
       const int off = KTile::offset(key_row + r * 8, d) + (lane % 4) * 4;
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sK + off),
-                   "r"(ptx::pack2<T>(acc_dk[d][2 * r], acc_dk[d][2 * r + 1])));
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sV + off),
-                   "r"(ptx::pack2<T>(acc_dv[d][2 * r], acc_dv[d][2 * r + 1])));
+      ptx::st_shared_b32(sK + off, ptx::pack2<T>(acc_dk[d][2 * r], acc_dk[d][2 * r + 1]));
+      ptx::st_shared_b32(sV + off, ptx::pack2<T>(acc_dv[d][2 * r], acc_dv[d][2 * r + 1]));
     }
   __syncwarp();
   T* gdk = static_cast<T*>(p.dk) + kv_offset;
@@ -287,15 +275,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   for (int i = lane; i < 16 * kChunks; i += 32) {
     const int row = warp * 16 + i / kChunks, chunk = i % kChunks;
     if (row < keys_valid) {
-      uint4 dk, dv;
-      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(dk.x), "=r"(dk.y), "=r"(dk.z), "=r"(dk.w)
-                   : "r"(sK + KTile::offset(row, chunk)));
-      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(dv.x), "=r"(dv.y), "=r"(dv.z), "=r"(dv.w)
-                   : "r"(sV + KTile::offset(row, chunk)));
-      *reinterpret_cast<uint4*>(gdk + row * kv_row_stride + chunk * 8) = dk;
-      *reinterpret_cast<uint4*>(gdv + row * kv_row_stride + chunk * 8) = dv;
+      *reinterpret_cast<uint4*>(gdk + row * kv_row_stride + chunk * 8) =
+          ptx::ld_shared_v4(sK + KTile::offset(row, chunk));
+      *reinterpret_cast<uint4*>(gdv + row * kv_row_stride + chunk * 8) =
+          ptx::ld_shared_v4(sV + KTile::offset(row, chunk));
     }
   }
 }

@@ -193,12 +193,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
       for (int ks = 0; ks < kBlockN / 16; ++ks) {
         uint32_t a[kMTiles][4];
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          a[mt][0] = ptx::pack2<T>(acc_s[mt][2 * ks][0], acc_s[mt][2 * ks][1]);
-          a[mt][1] = ptx::pack2<T>(acc_s[mt][2 * ks][2], acc_s[mt][2 * ks][3]);
-          a[mt][2] = ptx::pack2<T>(acc_s[mt][2 * ks + 1][0], acc_s[mt][2 * ks + 1][1]);
-          a[mt][3] = ptx::pack2<T>(acc_s[mt][2 * ks + 1][2], acc_s[mt][2 * ks + 1][3]);
-        }
+        for (int mt = 0; mt < kMTiles; ++mt)
+          ptx::accumulators_to_a<T>(a[mt], acc_s[mt][2 * ks], acc_s[mt][2 * ks + 1]);
 #pragma unroll
         for (int d = 0; d < kDTiles; d += 2) {
           // Transposed matrices: keys ks*16..+7 / +8..+15 for columns d*8.. and (d+1)*8..
@@ -230,8 +226,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d) {
       const uint32_t packed = ptx::pack2<T>(acc_o[mt][d][2 * r] * inv, acc_o[mt][d][2 * r + 1] * inv);
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sQ + QTile::offset(row, d) + (lane % 4) * 4),
-                   "r"(packed));
+      ptx::st_shared_b32(sQ + QTile::offset(row, d) + (lane % 4) * 4, packed);
     }
     if (lane % 4 == 0 && row < rows_valid) {
       gLse[row] = empty ? -INFINITY : row_max[mt][r] * p.scale + logf(sum);
@@ -243,11 +238,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   for (int i = lane; i < Cfg::kWarpRows * kChunks; i += 32) {
     const int row = warp_row0 + i / kChunks, chunk = i % kChunks;
     if (row < rows_valid) {
-      uint4 value;
-      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
-                   : "r"(sQ + QTile::offset(row, chunk)));
-      *reinterpret_cast<uint4*>(gO + row * q_row_stride + chunk * 8) = value;
+      *reinterpret_cast<uint4*>(gO + row * q_row_stride + chunk * 8) =
+          ptx::ld_shared_v4(sQ + QTile::offset(row, chunk));
     }
   }
 }
