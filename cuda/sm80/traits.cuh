@@ -14,11 +14,12 @@ struct FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
   // Two m16 tiles per warp where registers allow (H <= 64): each K/V fragment read from shared
-  // memory then feeds two mma.sync, halving shared-memory traffic per FLOP. At H = 96 and 128
-  // the O and S accumulators of two tiles spill (measured, docs/PERF.md), so one tile per warp
-  // and 8 warps to still share each K/V tile among 128 queries; above, 4 warps of one tile.
+  // memory then feeds two mma.sync, halving shared-memory traffic per FLOP. Above, the O and S
+  // accumulators of two tiles spill (measured, docs/PERF.md), so one tile per warp. 4 warps a
+  // CTA, so that two or more CTAs share an SM and one's barriers hide behind another's work
+  // (8 warps and 128 rows a CTA measured 15% slower at H = 128).
   static constexpr int kWarpRows = kHeadDim <= 64 ? 32 : 16;
-  static constexpr int kWarps = kHeadDim <= 64 || kHeadDim > 128 ? 4 : 8;
+  static constexpr int kWarps = 4;
   static constexpr int kBlockM = kWarps * kWarpRows;
   // S (rows x kBlockN fp32) and O share the register file: narrower key blocks for large H.
   static constexpr int kBlockN = kHeadDim <= 192 ? 64 : 32;
