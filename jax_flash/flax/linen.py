@@ -1,0 +1,40 @@
+"""Multi-head attention as a Flax linen module: projections, optional RoPE, jax_flash attention."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+import jax_flash
+from jax_flash.flax._attend import attend
+
+
+class MultiHeadAttention(nn.Module):
+    """The linen twin of `jax_flash.flax.nnx.MultiHeadAttention` (same arguments and meaning)."""
+
+    num_heads: int
+    head_dim: int | None = None
+    num_kv_heads: int | None = None
+    is_causal: bool = True
+    local_window_size: int | tuple[int, int] | None = None
+    softcap: float | None = None
+    rope: bool = True
+    rope_base: float = 10000.0
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    attention: Callable = jax_flash.attention
+
+    @nn.compact
+    def __call__(self, x, *, positions=None, segment_ids=None):
+        features = x.shape[-1]
+        head_dim = self.head_dim or features // self.num_heads
+        kv_heads = self.num_kv_heads or self.num_heads
+        dense = lambda heads, name: nn.DenseGeneral(  # noqa: E731
+            (heads, head_dim), use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+            name=name)
+        q, k, v = dense(self.num_heads, "query")(x), dense(kv_heads, "key")(x), dense(kv_heads, "value")(x)
+        out = attend(self, q, k, v, positions, segment_ids)
+        return nn.DenseGeneral(features, axis=(-2, -1), use_bias=False, dtype=self.dtype,
+                               param_dtype=self.param_dtype, name="out")(out)  # fmt: skip
