@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the extension (incrementally, in the ignored build/ folder),
 # run the GPU tests, run the benchmark. Logs go to $OUT (the device tool's result folder) or
-# ./gpu_logs. Usage: scripts/gpu_check.sh [build|test|bench|all] [extra args for that step]
+# ./gpu_logs. Usage: scripts/gpu_check.sh [build|test|bench|profile|all]
 #   TESTS="tests/test_cuda.py -k causal"   which tests the test step runs
 #   BENCH="--quick"                         arguments of python -m jax_flash.bench
+#   PROFILE="--head-dim 128" NCU_KERNEL=bwd_dkdv   the profile step: ncu on one kernel of one shape
+#                                           (not part of all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
@@ -38,4 +40,13 @@ fi
 if [[ $step == bench || $step == all ]]; then
   $PY -m jax_flash.bench ${BENCH:-} --plot "$OUT/bench.png" --json "$OUT/bench.json" \
     2> "$OUT/bench_progress.log" | tee "$OUT/bench.log"
+fi
+
+if [[ $step == profile ]]; then
+  ncu --clock-control none -k "regex:${NCU_KERNEL:-bwd_dkdv}" -c 1 --set full \
+    -o "$OUT/profile" -f $PY scripts/profile_once.py ${PROFILE:-} > "$OUT/profile.log" 2>&1
+  ncu -i "$OUT/profile.ncu-rep" --page details > "$OUT/profile.txt" 2>&1
+  ncu -i "$OUT/profile.ncu-rep" --page source --csv --print-source sass > "$OUT/profile_sass.csv" 2>&1
+  ncu -i "$OUT/profile.ncu-rep" --page raw --csv > "$OUT/profile_raw.csv" 2>&1
+  grep -E "Duration|Throughput|Warp Cycles|Registers|Occupancy|Eligible" "$OUT/profile.txt" | head -30
 fi

@@ -17,6 +17,11 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
 }
+// cp.async.ca 4 bytes global -> shared, zero-filled when !valid (row statistics of a tile).
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 // Wait until at most N committed groups are still in flight.
 template <int N>
@@ -113,6 +118,17 @@ __device__ __forceinline__ uint32_t opaque(uint32_t x) {
   uint32_t y;
   asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
+}
+
+// dst[0..1] += (a, b) in global memory, without a return value: one red.v2 on sm_90, two red
+// elsewhere. dst must be 8-byte aligned.
+__device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
 }
 
 __device__ __forceinline__ float exp2(float x) { return exp2f(x); }  // ex2.approx with fast math

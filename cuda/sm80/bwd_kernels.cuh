@@ -76,12 +76,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   // loop (see ptx::opaque) so that fragment addresses are not all hoisted into registers.
   uint32_t sK = smem_base, sV = sK + KTile::kBytes, sStages = sV + KTile::kBytes;
   uint32_t sDs = sStages + Cfg::kStages * Cfg::kStageBytes;
-  // Per stage: Q tile, dO tile, lse (log2 units, +inf on rows that must give P = 0), delta.
+  // Per stage: Q tile, dO tile, then the lse and delta of its rows (float32).
   auto stage_q = [&](int s) { return sStages + s * Cfg::kStageBytes; };
   auto stage_do = [&](int s) { return stage_q(s) + QTile::kBytes; };
-  auto stage_stats = [&](int s) {
-    return reinterpret_cast<float*>(smem + (stage_do(s) + QTile::kBytes - smem_base));
-  };
+  auto stage_stats = [&](int s) { return stage_do(s) + QTile::kBytes; };
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int n_block = blockIdx.x;
@@ -98,34 +96,42 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
 
   const int m_begin = band.query_begin(k_first, p.seqlen_q) / kBlockM;
   const int m_end = (band.query_end(k_first + keys_valid - 1, p.seqlen_q) + kBlockM - 1) / kBlockM;
-  const int m_count = max(0, m_end - m_begin);
-  const int steps = group * m_count;
+  const int steps = group * max(0, m_end - m_begin);
 
-  // Step s covers query block m_begin + s % m_count of query head kv_head * group + s / m_count.
-  auto prefetch = [&](int s, int stage) {
-    const int head = kv_head * group + s / m_count;
-    const int q_first = (m_begin + s % m_count) * kBlockM;
-    const int64_t offset = (int64_t(batch) * p.seqlen_q + q_first) * q_row_stride + head * kHeadDim;
+  // The steps walk query blocks m_begin..m_end of each query head of the group in turn; counted
+  // rather than divided out of the step index (an integer division per step showed in profiles).
+  struct Cursor {
+    int head, m_block;
+    __device__ void advance(int first, int end) {
+      if (++m_block == end) m_block = first, ++head;
+    }
+  };
+
+  // Rows past seqlen_q are zero-filled in every tile (Q, dO, lse, delta), so they give dS = 0
+  // and add nothing to dK or dV (their P^T is multiplied by a zero dO row).
+  auto prefetch = [&](Cursor c, int stage) {
+    const int q_first = c.m_block * kBlockM;
+    const int64_t offset = (int64_t(batch) * p.seqlen_q + q_first) * q_row_stride + c.head * kHeadDim;
     const int rows = p.seqlen_q - q_first;
     load_tile_async<QTile, Cfg::kThreads, false>(stage_q(stage), static_cast<const T*>(p.q) + offset,
-                                          q_row_stride, rows, tid);
+                                                 q_row_stride, rows, tid);
     load_tile_async<QTile, Cfg::kThreads, false>(stage_do(stage), static_cast<const T*>(p.dout) + offset,
-                                          q_row_stride, rows, tid);
-    float* stats = stage_stats(stage);
-    const int64_t row_offset = (int64_t(batch) * p.heads + head) * p.seqlen_q + q_first;
-    if (tid < kBlockM) {
-      const float lse = tid < rows ? p.lse[row_offset + tid] : -INFINITY;
-      stats[tid] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-    } else if (tid < 2 * kBlockM) {
-      stats[tid] = tid - kBlockM < rows ? p.delta[row_offset + tid - kBlockM] : 0.f;
+                                                 q_row_stride, rows, tid);
+    const int64_t row_offset = (int64_t(batch) * p.heads + c.head) * p.seqlen_q + q_first;
+    const int r = tid % kBlockM;
+    if (tid < 2 * kBlockM) {
+      const float* src = (tid < kBlockM ? p.lse : p.delta) + row_offset + (r < rows ? r : 0);
+      ptx::cp_async_4(stage_stats(stage) + tid * 4, src, r < rows);
     }
   };
 
   load_tile_async<KTile, Cfg::kThreads, false>(sK, static_cast<const T*>(p.k) + kv_offset, kv_row_stride,
-                                        keys_valid, tid);
+                                               keys_valid, tid);
   load_tile_async<KTile, Cfg::kThreads, false>(sV, static_cast<const T*>(p.v) + kv_offset, kv_row_stride,
-                                        keys_valid, tid);
-  if (steps > 0) prefetch(0, 0);
+                                               keys_valid, tid);
+  Cursor cur{kv_head * group, m_begin}, next = cur;
+  next.advance(m_begin, m_end);
+  if (steps > 0) prefetch(cur, 0);
   ptx::cp_async_commit();
 
   float acc_dk[kDTiles][4], acc_dv[kDTiles][4];
@@ -141,15 +147,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     sStages = sV + KTile::kBytes;
     sDs = sStages + Cfg::kStages * Cfg::kStageBytes;
     const int stage = s % Cfg::kStages;
-    if (s + 1 < steps) prefetch(s + 1, (s + 1) % Cfg::kStages);
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<1>();
+    ptx::cp_async_wait<0>();
+    // One barrier for two things: this step's tiles have landed, and every warp is done with the
+    // previous step, whose stage buffer the prefetch below refills and whose dS^T gets rewritten.
     __syncthreads();
+    if (s + 1 < steps) prefetch(next, (s + 1) % Cfg::kStages);
+    ptx::cp_async_commit();
     const uint32_t sQ = stage_q(stage), sDo = stage_do(stage);
-    const float* lse = stage_stats(stage);
-    const float* delta = lse + kBlockM;
-    const int head = kv_head * group + s / m_count;
-    const int q_first = (m_begin + s % m_count) * kBlockM;
+    const float* stats = reinterpret_cast<const float*>(smem + (stage_stats(stage) - smem_base));
+    const int head = cur.head;
+    const int q_first = cur.m_block * kBlockM;
+    cur = next;
+    next.advance(m_begin, m_end);
 
     // S^T = K Q^T and dP^T = V dO^T: 16 keys x kBlockM queries per warp.
     float acc_s[kMTiles][4], acc_dp[kMTiles][4];
@@ -175,8 +184,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
       }
     }
 
-    // P^T = exp(scale * S^T - lse) and dS^T = scale * P^T (dP^T - delta). Rows past seqlen_q have
-    // lse = +inf (P = 0); keys outside the band or past seqlen_k are masked here.
+    // P^T = exp(scale * S^T - lse) and dS^T = scale * P^T (dP^T - delta). A row that sees no key
+    // has lse = -inf and must give P = 0; keys outside the band or past seqlen_k are masked here.
+    float lse_log2[kMTiles][2], delta[kMTiles][2];
+#pragma unroll
+    for (int n = 0; n < kMTiles; ++n)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = n * 8 + (lane % 4) * 2 + j;
+        const float lse = stats[col];
+        lse_log2[n][j] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+        delta[n][j] = stats[kBlockM + col];
+      }
     const bool masked = !band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1);
 #pragma unroll
     for (int n = 0; n < kMTiles; ++n)
@@ -184,10 +203,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
       for (int i = 0; i < 4; ++i) {
         const int col = n * 8 + (lane % 4) * 2 + i % 2;
         const int key = k_first + key_row + (i / 2) * 8;
-        float prob = ptx::exp2(acc_s[n][i] * scale_log2 - lse[col]);
+        float prob = ptx::exp2(acc_s[n][i] * scale_log2 - lse_log2[n][i % 2]);
         if (masked && !band.visible(q_first + col, key)) prob = 0.f;
         acc_s[n][i] = prob;
-        acc_dp[n][i] = prob * (acc_dp[n][i] - delta[col]) * p.scale;
+        acc_dp[n][i] = prob * (acc_dp[n][i] - delta[n][i % 2]) * p.scale;
       }
 
     // dV += P^T dO and dK += dS^T Q; dS^T also goes to shared memory for dQ.
@@ -245,15 +264,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
         const int q = row_tile * 16 + lane / 4 + r * 8;
         if (q_first + q < p.seqlen_q) {
 #pragma unroll
-          for (int d = 0; d < Cfg::kDqTilesPerWarp; ++d) {
-            float* dst = dq + q * q_row_stride + (d_first + d) * 8 + (lane % 4) * 2;
-            atomicAdd(dst, acc_dq[d][2 * r]);
-            atomicAdd(dst + 1, acc_dq[d][2 * r + 1]);
-          }
+          for (int d = 0; d < Cfg::kDqTilesPerWarp; ++d)
+            ptx::red_add_f32x2(dq + q * q_row_stride + (d_first + d) * 8 + (lane % 4) * 2,
+                               acc_dq[d][2 * r], acc_dq[d][2 * r + 1]);
         }
       }
     }
-    __syncthreads();  // this stage's buffers and dS^T are free for the next prefetch
   }
   ptx::cp_async_wait<0>();
   __syncthreads();

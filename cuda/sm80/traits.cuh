@@ -47,7 +47,7 @@ struct BwdConfig {
   using KTile = SmemTile<kBlockN, kHeadDim>;
   using QTile = SmemTile<kBlockM, kHeadDim>;
   using DsTile = SmemTile<kBlockN, kBlockM>;  // dS^T, read back transposed for dQ = dS K
-  static constexpr int kRowStatsBytes = 2 * kBlockM * 4;  // lse (log2 units) and delta
+  static constexpr int kRowStatsBytes = 2 * kBlockM * 4;  // lse and delta, float32
   static constexpr int kStageBytes = 2 * QTile::kBytes + kRowStatsBytes;
   static constexpr int kSmemBytes = 2 * KTile::kBytes + kStages * kStageBytes + DsTile::kBytes;
   // dQ = dS K is split over the warps: kBlockM / 16 row tiles, the head dim shared out.

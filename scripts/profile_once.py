@@ -1,0 +1,32 @@
+"""Runs jax_flash forward and backward once on one benchmark shape, for a profiler to attach to:
+
+    ncu --clock-control none -k regex:bwd_dkdv python scripts/profile_once.py --head-dim 128 --seqlen 4096
+
+Random bf16 inputs, 16k tokens, hidden 2048, as in python -m jax_flash.bench.
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+import jax_flash
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--head-dim", type=int, default=128)
+parser.add_argument("--seqlen", type=int, default=4096)
+parser.add_argument("--causal", action="store_true")
+args = parser.parse_args()
+
+dims = (16384 // args.seqlen, args.seqlen, 2048 // args.head_dim, args.head_dim)
+q, k, v, do = (jax.random.normal(key, dims, jnp.bfloat16) for key in jax.random.split(jax.random.key(0), 4))
+
+
+@jax.jit
+def fwd_bwd(q, k, v, do):
+    out, vjp = jax.vjp(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=args.causal,
+                                                           implementation="cuda"), q, k, v)
+    return out, vjp(do)
+
+
+jax.block_until_ready(fwd_bwd(q, k, v, do))
