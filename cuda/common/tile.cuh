@@ -32,23 +32,43 @@ struct SmemTile {
 
 // Copy `rows_valid` rows of a [Tile::kRows, Tile::kCols] global tile (row stride in elements)
 // into shared memory with cp.async; rows past rows_valid are zero-filled. One commit group is
-// left to the caller. Unrolled, the compiler hoists every iteration's addresses out of the
-// caller's main loop into registers: faster where S and O leave room (kUnroll), spills where not.
+// left to the caller.
+//
+// When the threads cover whole rows and step a multiple of 8 rows per pass, every pass of a
+// thread keeps its chunk and swizzle: one address pair is computed and the passes add constants
+// (cheap in instructions and registers). Otherwise each pass computes its own addresses; unrolled,
+// the compiler hoists all of them out of the caller's main loop into registers: faster where the
+// accumulators leave room (kUnroll), spills where not.
 template <typename Tile, int kThreads, bool kUnroll, typename T>
 __device__ __forceinline__ void load_tile_async(uint32_t smem, const T* gmem, int64_t row_stride,
                                                 int rows_valid, int tid) {
-  constexpr int kTotal = Tile::kRows * Tile::kChunks;
-  constexpr int kIterations = (kTotal + kThreads - 1) / kThreads;
-  constexpr int kUnrollCount = kUnroll ? kIterations : 1;
+  constexpr int kRowsPerPass = kThreads / Tile::kChunks;
+  if constexpr (kThreads % Tile::kChunks == 0 && kRowsPerPass % 8 == 0 &&
+                Tile::kRows % kRowsPerPass == 0) {
+    const int row0 = tid / Tile::kChunks, chunk = tid % Tile::kChunks;
+    const uint32_t dst = smem + Tile::offset(row0, chunk);
+    const T* src = gmem + row0 * row_stride + chunk * 8;
+    const int64_t pass_stride = kRowsPerPass * row_stride;
+#pragma unroll
+    for (int pass = 0; pass < Tile::kRows / kRowsPerPass; ++pass, src += pass_stride) {
+      const bool valid = row0 + pass * kRowsPerPass < rows_valid;
+      // Row + 8k keeps the swizzle, so the shared-memory offset grows by whole rows of chunks.
+      ptx::cp_async_16(dst + pass * kRowsPerPass * Tile::kPanelChunks * 16, valid ? src : gmem, valid);
+    }
+  } else {
+    constexpr int kTotal = Tile::kRows * Tile::kChunks;
+    constexpr int kIterations = (kTotal + kThreads - 1) / kThreads;
+    constexpr int kUnrollCount = kUnroll ? kIterations : 1;
 #pragma unroll kUnrollCount
-  for (int it = 0; it < kIterations; ++it) {
-    const int i = tid + it * kThreads;
-    if (kTotal % kThreads != 0 && i >= kTotal) break;
-    const int row = i / Tile::kChunks;
-    const int chunk = i % Tile::kChunks;
-    const bool valid = row < rows_valid;
-    const T* src = gmem + (valid ? row * row_stride + chunk * 8 : 0);
-    ptx::cp_async_16(smem + Tile::offset(row, chunk), src, valid);
+    for (int it = 0; it < kIterations; ++it) {
+      const int i = tid + it * kThreads;
+      if (kTotal % kThreads != 0 && i >= kTotal) break;
+      const int row = i / Tile::kChunks;
+      const int chunk = i % Tile::kChunks;
+      const bool valid = row < rows_valid;
+      const T* src = gmem + (valid ? row * row_stride + chunk * 8 : 0);
+      ptx::cp_async_16(smem + Tile::offset(row, chunk), src, valid);
+    }
   }
 }
 

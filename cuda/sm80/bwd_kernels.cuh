@@ -186,16 +186,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
 
     // P^T = exp(scale * S^T - lse) and dS^T = scale * P^T (dP^T - delta). A row that sees no key
     // has lse = -inf and must give P = 0; keys outside the band or past seqlen_k are masked here.
-    float lse_log2[kMTiles][2], delta[kMTiles][2];
-#pragma unroll
-    for (int n = 0; n < kMTiles; ++n)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int col = n * 8 + (lane % 4) * 2 + j;
-        const float lse = stats[col];
-        lse_log2[n][j] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-        delta[n][j] = stats[kBlockM + col];
-      }
     const bool masked = !band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1);
 #pragma unroll
     for (int n = 0; n < kMTiles; ++n)
@@ -203,10 +193,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
       for (int i = 0; i < 4; ++i) {
         const int col = n * 8 + (lane % 4) * 2 + i % 2;
         const int key = k_first + key_row + (i / 2) * 8;
-        float prob = ptx::exp2(acc_s[n][i] * scale_log2 - lse_log2[n][i % 2]);
+        const float lse = stats[col];
+        float prob = lse == -INFINITY ? 0.f : ptx::exp2(acc_s[n][i] * scale_log2 - lse * kLog2e);
         if (masked && !band.visible(q_first + col, key)) prob = 0.f;
         acc_s[n][i] = prob;
-        acc_dp[n][i] = prob * (acc_dp[n][i] - delta[n][i % 2]) * p.scale;
+        acc_dp[n][i] = prob * (acc_dp[n][i] - stats[kBlockM + col]) * p.scale;
       }
 
     // dV += P^T dO and dK += dS^T Q; dS^T also goes to shared memory for dQ.

@@ -2,10 +2,10 @@
 //
 // One CTA computes kBlockM query rows of one head; each warp owns kWarpRows of them (one or two
 // m16 tiles: two halve the shared-memory reads of K and V per FLOP), so the softmax statistics of
-// a row live in the 4 threads of one quad and need no shared memory. K and V
-// tiles stream through shared memory with cp.async: V[j] loads while S = Q K[j]^T runs, and
-// K[j-1] loads while the softmax and O += P V[j] run. Key blocks are visited from the last one
-// down, so the (few) blocks that need the band mask come first and the rest run unmasked.
+// a row live in the 4 threads of one quad and need no shared memory. K and V tiles stream
+// through two shared-memory stages with cp.async: block j-1 loads while block j is computed,
+// with one barrier per key block. Key blocks are visited from the last one down, so the (few)
+// blocks that need the band mask come first and the rest run unmasked.
 #pragma once
 
 #include <cmath>
@@ -74,9 +74,18 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   }
 
   if (n_begin < n_end) {
+    // K and V of one key block into stage `stage` (the stages alternate between key blocks).
+    auto load_kv = [&](int n_block, int stage) {
+      const int k_first = n_block * kBlockN;
+      const uint32_t sK_stage = sQ + QTile::kBytes + stage * Cfg::kStageBytes;
+      load_tile_async<KTile, Cfg::kThreads, Cfg::kUnrollLoads>(
+          sK_stage, gK + int64_t(k_first) * kv_row_stride, kv_row_stride, p.seqlen_k - k_first, tid);
+      load_tile_async<KTile, Cfg::kThreads, Cfg::kUnrollLoads>(
+          sK_stage + KTile::kBytes, gV + int64_t(k_first) * kv_row_stride, kv_row_stride,
+          p.seqlen_k - k_first, tid);
+    };
     load_tile_async<QTile, Cfg::kThreads, Cfg::kUnrollLoads>(sQ, gQ, q_row_stride, rows_valid, tid);
-    load_tile_async<KTile, Cfg::kThreads, Cfg::kUnrollLoads>(sK, gK + int64_t(n_end - 1) * kBlockN * kv_row_stride,
-                                          kv_row_stride, p.seqlen_k - (n_end - 1) * kBlockN, tid);
+    load_kv(n_end - 1, 0);
     ptx::cp_async_commit();
 
     // Q fragments (A operand): lanes 0-15 give rows, lanes 16-31 the second 8 columns.
@@ -85,16 +94,18 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
       ptx::ldmatrix_x4(frag, sQ + QTile::offset(warp_row0 + mt * 16 + lane % 16, ks * 2 + lane / 16));
     };
 
-    for (int n_block = n_end - 1; n_block >= n_begin; --n_block) {
+    int stage = 0;
+    for (int n_block = n_end - 1; n_block >= n_begin; --n_block, stage ^= 1) {
       sQ = ptx::opaque(smem_base);
-      sK = sQ + QTile::kBytes;
+      sK = sQ + QTile::kBytes + stage * Cfg::kStageBytes;
       sV = sK + KTile::kBytes;
       const int k_first = n_block * kBlockN;
-      load_tile_async<KTile, Cfg::kThreads, Cfg::kUnrollLoads>(sV, gV + int64_t(k_first) * kv_row_stride,
-                                            kv_row_stride, p.seqlen_k - k_first, tid);
-      ptx::cp_async_commit();
-      ptx::cp_async_wait<1>();  // K[n_block] (and Q) have landed; V[n_block] may be in flight
+      ptx::cp_async_wait<0>();  // K and V of n_block (and Q) have landed
+      // The one barrier per key block: the tiles are visible to every warp, and every warp is
+      // done with the previous block, whose stage the next load refills.
       __syncthreads();
+      if (n_block > n_begin) load_kv(n_block - 1, stage ^ 1);
+      ptx::cp_async_commit();
       if (Cfg::kQInRegs && n_block == n_end - 1) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
@@ -131,13 +142,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
           }
         }
       }
-      __syncthreads();  // every warp is done reading K[n_block]: its buffer takes K[n_block - 1]
-      if (n_block > n_begin) {
-        load_tile_async<KTile, Cfg::kThreads, Cfg::kUnrollLoads>(
-            sK, gK + int64_t(k_first - kBlockN) * kv_row_stride, kv_row_stride,
-            p.seqlen_k - (k_first - kBlockN), tid);
-      }
-      ptx::cp_async_commit();  // possibly empty, so that wait<1> below always means "V landed"
 
       // Band mask, only on blocks that straddle it or the end of the keys.
       if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
@@ -186,8 +190,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
         }
       }
 
-      ptx::cp_async_wait<1>();  // V[n_block] has landed; K[n_block - 1] may be in flight
-      __syncthreads();
       // O += P V: the S accumulators of two n8 tiles form the A fragment of one k16 step.
 #pragma unroll
       for (int ks = 0; ks < kBlockN / 16; ++ks) {
@@ -208,7 +210,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
           }
         }
       }
-      __syncthreads();  // every warp is done reading V[n_block] before the next V load
     }
   }
 

@@ -21,16 +21,18 @@ struct FwdConfig {
   static constexpr int kWarpRows = kHeadDim <= 64 ? 32 : 16;
   static constexpr int kWarps = 4;
   static constexpr int kBlockM = kWarps * kWarpRows;
-  // S (rows x kBlockN fp32) and O share the register file: narrower key blocks for large H.
-  static constexpr int kBlockN = kHeadDim <= 192 ? 64 : 32;
+  // S (rows x kBlockN fp32) and O share the register file, and two stages of K and V must leave
+  // room for two CTAs per SM: narrower key blocks above H = 128.
+  static constexpr int kBlockN = kHeadDim <= 128 ? 64 : 32;
   static constexpr int kThreads = kWarps * 32;
   // Q fragments stay in registers only where they fit beside S and O.
   static constexpr bool kQInRegs = kHeadDim <= 128;
   // Unrolled tile loads: +16% at H = 128 (docs/PERF.md), but spills at the other sizes.
-  static constexpr bool kUnrollLoads = kHeadDim == 96 || kHeadDim == 128;
+  static constexpr bool kUnrollLoads = kHeadDim == 96;
   using QTile = SmemTile<kBlockM, kHeadDim>;
   using KTile = SmemTile<kBlockN, kHeadDim>;
-  static constexpr int kSmemBytes = QTile::kBytes + 2 * KTile::kBytes;
+  static constexpr int kStageBytes = 2 * KTile::kBytes;  // K and V of one key block
+  static constexpr int kSmemBytes = QTile::kBytes + 2 * kStageBytes;
 };
 
 template <typename T_, int kHeadDim_>
