@@ -3,14 +3,13 @@
 // 1. bwd_preprocess: delta = rowsum(dO * O) - dlse per query row (dlse: the cotangent of the
 //    returned log-sum-exp, whose derivative is P), and zeroes the fp32 dQ accumulator
 //    (XLA hands us uninitialised output buffers).
-// 2. bwd_dkdv_kernel: one CTA per (key block, batch, kv head). Each warp owns 16 keys and keeps
-//    their dK and dV in registers while the CTA walks every query block of every query head of
-//    the GQA group, so dK/dV of a group are summed without atomics and written once. The
-//    products run transposed (S^T = K Q^T, dP^T = V dO^T) so that P^T and dS^T come out of the
-//    accumulators already in the A-operand layout of dV += P^T dO and dK += dS^T Q.
-//    dQ += dS K needs every key of the block: dS^T goes through shared memory and each warp adds
-//    a [16 x H/k] share of dQ into the fp32 accumulator with atomics (the separate-kernel
-//    alternative would recompute S and dP a second time).
+// 2. bwd_dkdv_kernel: one CTA per (key block, batch, kv head) keeps its 128 keys' dK and dV in
+//    registers while it walks every 64-query block of every query head of the GQA group, so dK/dV
+//    of a group are summed without atomics and written once. Per step: S and dP, then P and dS go
+//    to shared memory, where dV += P^T dO, dK += dS^T Q and dQ = dS K each read them with their
+//    own warp grid (traits.cuh). dQ needs the contributions of every key block, so each CTA adds
+//    its share into the fp32 accumulator with atomics: the separate-kernel alternative would
+//    compute S and dP a second time (7 products instead of 5).
 #pragma once
 
 #include <cmath>
@@ -64,18 +63,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   using T = typename Cfg::T;
   using KTile = typename Cfg::KTile;
   using QTile = typename Cfg::QTile;
-  using DsTile = typename Cfg::DsTile;
+  using PTile = typename Cfg::PTile;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
-  constexpr int kMTiles = kBlockM / 8;    // n8 tiles of S^T (over queries) per warp
-  constexpr int kDTiles = kHeadDim / 8;   // n8 tiles of dK, dV per warp
-  constexpr int kKSteps = kHeadDim / 16;  // k16 steps over the head dim
+  constexpr int kKSteps = kHeadDim / 16;          // k16 steps of S and dP
+  constexpr int kDkvTiles = kHeadDim / 2 / 8;     // n8 tiles of a warp's dK and dV rows
+  constexpr int kDqMTiles = Cfg::kDqRowsPerWarp / 16;
+  constexpr int kDqNTiles = Cfg::kDqColsPerWarp / 8;
 
   extern __shared__ __align__(128) char smem[];
   const uint32_t smem_base = ptx::smem_addr(smem);
-  // Layout: K, V, kStages x (Q, dO, lse, delta), dS^T. Re-derived from an opaque base in the main
+  // Layout: K, V, kStages x (Q, dO, lse, delta), P, dS. Re-derived from an opaque base in the main
   // loop (see ptx::opaque) so that fragment addresses are not all hoisted into registers.
   uint32_t sK = smem_base, sV = sK + KTile::kBytes, sStages = sV + KTile::kBytes;
-  uint32_t sDs = sStages + Cfg::kStages * Cfg::kStageBytes;
+  uint32_t sP = sStages + Cfg::kStages * Cfg::kStageBytes, sDs = sP + PTile::kBytes;
   // Per stage: Q tile, dO tile, then the lse and delta of its rows (float32).
   auto stage_q = [&](int s) { return sStages + s * Cfg::kStageBytes; };
   auto stage_do = [&](int s) { return stage_q(s) + QTile::kBytes; };
@@ -134,22 +134,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   if (steps > 0) prefetch(cur, 0);
   ptx::cp_async_commit();
 
-  float acc_dk[kDTiles][4], acc_dv[kDTiles][4];
-#pragma unroll
-  for (int d = 0; d < kDTiles; ++d)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc_dk[d][i] = acc_dv[d][i] = 0.f;
+  // This warp's tiles in the three warp grids (traits.cuh).
+  const int sdp_m = warp / Cfg::kSdpWarpsN * 32, sdp_n = warp % Cfg::kSdpWarpsN * 32;
+  const int dkv_n = warp / Cfg::kDkvWarpsD * 32, dkv_d = warp % Cfg::kDkvWarpsD * (kHeadDim / 2);
+  const int dq_m = warp / Cfg::kDqWarpsD * Cfg::kDqRowsPerWarp;
+  const int dq_d = warp % Cfg::kDqWarpsD * Cfg::kDqColsPerWarp;
 
-  const int key_row = warp * 16 + lane / 4;  // this thread's key rows: key_row and key_row + 8
+  float acc_dk[2][kDkvTiles][4], acc_dv[2][kDkvTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int d = 0; d < kDkvTiles; ++d)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_dk[mt][d][i] = acc_dv[mt][d][i] = 0.f;
+
   for (int s = 0; s < steps; ++s) {
     sK = ptx::opaque(smem_base);
     sV = sK + KTile::kBytes;
     sStages = sV + KTile::kBytes;
-    sDs = sStages + Cfg::kStages * Cfg::kStageBytes;
+    sP = sStages + Cfg::kStages * Cfg::kStageBytes;
+    sDs = sP + PTile::kBytes;
+    // The lane through an opaque move too, so that the swizzled fragment addresses derived from
+    // it are recomputed each step rather than hoisted out of the loop into a hundred registers.
+    const int lane = int(ptx::opaque(threadIdx.x % 32));
     const int stage = s % Cfg::kStages;
     ptx::cp_async_wait<0>();
     // One barrier for two things: this step's tiles have landed, and every warp is done with the
-    // previous step, whose stage buffer the prefetch below refills and whose dS^T gets rewritten.
+    // previous step, whose stage buffer the prefetch below refills and whose P and dS get rewritten.
     __syncthreads();
     if (s + 1 < steps) prefetch(next, (s + 1) % Cfg::kStages);
     ptx::cp_async_commit();
@@ -160,127 +171,179 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     cur = next;
     next.advance(m_begin, m_end);
 
-    // S^T = K Q^T and dP^T = V dO^T: 16 keys x kBlockM queries per warp.
-    float acc_s[kMTiles][4], acc_dp[kMTiles][4];
-#pragma unroll
-    for (int n = 0; n < kMTiles; ++n)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc_s[n][i] = acc_dp[n][i] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      uint32_t a_k[4], a_v[4];
-      ptx::ldmatrix_x4(a_k, sK + KTile::offset(warp * 16 + lane % 16, ks * 2 + lane / 16));
-      ptx::ldmatrix_x4(a_v, sV + KTile::offset(warp * 16 + lane % 16, ks * 2 + lane / 16));
-#pragma unroll
-      for (int n = 0; n < kMTiles; n += 2) {
-        uint32_t b[4];
-        const int row = n * 8 + lane % 8 + (lane / 16) * 8, chunk = ks * 2 + (lane / 8) % 2;
-        ptx::ldmatrix_x4(b, sQ + QTile::offset(row, chunk));
-        ptx::mma_16816<T>(acc_s[n], a_k, b[0], b[1]);
-        ptx::mma_16816<T>(acc_s[n + 1], a_k, b[2], b[3]);
-        ptx::ldmatrix_x4(b, sDo + QTile::offset(row, chunk));
-        ptx::mma_16816<T>(acc_dp[n], a_v, b[0], b[1]);
-        ptx::mma_16816<T>(acc_dp[n + 1], a_v, b[2], b[3]);
-      }
-    }
-
-    // P^T = exp(scale * S^T - lse) and dS^T = scale * P^T (dP^T - delta). A row that sees no key
-    // has lse = -inf and must give P = 0; keys outside the band or past seqlen_k are masked here.
+    // S = Q K^T, then P, then dP = dO V^T: 32 queries x 32 keys per warp. S and dP take turns in
+    // the same registers; P waits for dP packed to 16 bits (the precision it is stored in).
     const bool masked = !band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1);
+    float acc[2][4][4];
+    uint32_t p_packed[2][4][2];
+    auto zero_acc = [&] {
 #pragma unroll
-    for (int n = 0; n < kMTiles; ++n)
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int col = n * 8 + (lane % 4) * 2 + i % 2;
-        const int key = k_first + key_row + (i / 2) * 8;
-        const float lse = stats[col];
-        float prob = lse == -INFINITY ? 0.f : ptx::exp2(acc_s[n][i] * scale_log2 - lse * kLog2e);
-        if (masked && !band.visible(q_first + col, key)) prob = 0.f;
-        acc_s[n][i] = prob;
-        acc_dp[n][i] = prob * (acc_dp[n][i] - stats[kBlockM + col]) * p.scale;
-      }
-
-    // dV += P^T dO and dK += dS^T Q; dS^T also goes to shared memory for dQ.
+        for (int n = 0; n < 4; ++n)
 #pragma unroll
-    for (int ks = 0; ks < kBlockM / 16; ++ks) {
-      uint32_t a_p[4], a_ds[4];
-      ptx::accumulators_to_a<T>(a_p, acc_s[2 * ks], acc_s[2 * ks + 1]);
-      ptx::accumulators_to_a<T>(a_ds, acc_dp[2 * ks], acc_dp[2 * ks + 1]);
+          for (int i = 0; i < 4; ++i) acc[mt][n][i] = 0.f;
+    };
+    // acc += A B^T for A = rows sdp_m.. of a [kBlockM, H] tile, B = rows sdp_n.. of a [kBlockN, H] tile.
+    auto product = [&](uint32_t sA, uint32_t sB) {
+#pragma unroll Cfg::kKStepUnroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t a[2][4];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {  // the two n8 tiles (query columns) of this k16 step
-        const int byte = (lane % 4) * 4;
-        ptx::st_shared_b32(sDs + DsTile::offset(key_row, 2 * ks + half) + byte, a_ds[2 * half]);
-        ptx::st_shared_b32(sDs + DsTile::offset(key_row + 8, 2 * ks + half) + byte, a_ds[2 * half + 1]);
-      }
+        for (int mt = 0; mt < 2; ++mt)
+          ptx::ldmatrix_x4(a[mt], sA + QTile::offset(sdp_m + mt * 16 + lane % 16, ks * 2 + lane / 16));
 #pragma unroll
-      for (int d = 0; d < kDTiles; d += 2) {
-        uint32_t b[4];
-        const int row = ks * 16 + lane % 8 + ((lane / 8) % 2) * 8, chunk = d + lane / 16;
-        ptx::ldmatrix_x4_trans(b, sDo + QTile::offset(row, chunk));
-        ptx::mma_16816<T>(acc_dv[d], a_p, b[0], b[1]);
-        ptx::mma_16816<T>(acc_dv[d + 1], a_p, b[2], b[3]);
-        ptx::ldmatrix_x4_trans(b, sQ + QTile::offset(row, chunk));
-        ptx::mma_16816<T>(acc_dk[d], a_ds, b[0], b[1]);
-        ptx::mma_16816<T>(acc_dk[d + 1], a_ds, b[2], b[3]);
-      }
-    }
-    __syncthreads();  // dS^T of every warp is in shared memory
-
-    // dQ[q_first .. +kBlockM) += dS K: this warp's 16 query rows x kDqTilesPerWarp n8 tiles.
-    {
-      const int row_tile = warp / Cfg::kDqWarpsPerRowTile;
-      const int d_first = (warp % Cfg::kDqWarpsPerRowTile) * Cfg::kDqTilesPerWarp;
-      float acc_dq[Cfg::kDqTilesPerWarp][4];
-#pragma unroll
-      for (int d = 0; d < Cfg::kDqTilesPerWarp; ++d)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc_dq[d][i] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        uint32_t a[4];  // dS rows (queries) from dS^T, transposed by ldmatrix
-        ptx::ldmatrix_x4_trans(a, sDs + DsTile::offset(ks * 16 + lane % 8 + (lane / 16) * 8,
-                                                       row_tile * 2 + (lane / 8) % 2));
-#pragma unroll
-        for (int d = 0; d < Cfg::kDqTilesPerWarp; d += 2) {
+        for (int n = 0; n < 4; n += 2) {
+          // Matrices: keys n*8..+7 (dims 2ks, 2ks+1), keys (n+1)*8..+7 (same dims).
           uint32_t b[4];
-          ptx::ldmatrix_x4_trans(b, sK + KTile::offset(ks * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                                       d_first + d + lane / 16));
-          ptx::mma_16816<T>(acc_dq[d], a, b[0], b[1]);
-          ptx::mma_16816<T>(acc_dq[d + 1], a, b[2], b[3]);
+          ptx::ldmatrix_x4(b, sB + KTile::offset(sdp_n + n * 8 + lane % 8 + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            ptx::mma_16816<T>(acc[mt][n], a[mt], b[0], b[1]);
+            ptx::mma_16816<T>(acc[mt][n + 1], a[mt], b[2], b[3]);
+          }
         }
       }
-      float* dq = p.dq_accum + (int64_t(batch) * p.seqlen_q + q_first) * q_row_stride + head * kHeadDim;
+    };
+    // This thread's element (mt, n, i): query row(mt, i / 2), key k_first + col(n, i % 2).
+    auto row = [&](int mt, int r) { return sdp_m + mt * 16 + r * 8 + lane / 4; };
+    auto col = [&](int n, int j) { return sdp_n + n * 8 + (lane % 4) * 2 + j; };
+
+    // P = exp(scale * S - lse). A row that sees no key has lse = -inf and must give P = 0; keys
+    // outside the band or past seqlen_k are masked here.
+    zero_acc();
+    product(sQ, sK);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int q = row_tile * 16 + lane / 4 + r * 8;
-        if (q_first + q < p.seqlen_q) {
+        const float lse = stats[row(mt, r)];
+        const float lse_log2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
 #pragma unroll
-          for (int d = 0; d < Cfg::kDqTilesPerWarp; ++d)
-            ptx::red_add_f32x2(dq + q * q_row_stride + (d_first + d) * 8 + (lane % 4) * 2,
-                               acc_dq[d][2 * r], acc_dq[d][2 * r + 1]);
+        for (int n = 0; n < 4; ++n) {
+          float prob[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            prob[j] = ptx::exp2(acc[mt][n][2 * r + j] * scale_log2 - lse_log2);
+            if (masked && !band.visible(q_first + row(mt, r), k_first + col(n, j))) prob[j] = 0.f;
+          }
+          p_packed[mt][n][r] = ptx::pack2<T>(prob[0], prob[1]);
+          ptx::st_shared_b32(sP + PTile::offset(row(mt, r), sdp_n / 8 + n) + (lane % 4) * 4, p_packed[mt][n][r]);
         }
       }
+
+    // dS = scale * P (dP - delta).
+    zero_acc();
+    product(sDo, sV);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float delta = stats[kBlockM + row(mt, r)];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const float2 prob = ptx::unpack2<T>(p_packed[mt][n][r]);
+          const float ds0 = prob.x * (acc[mt][n][2 * r] - delta) * p.scale;
+          const float ds1 = prob.y * (acc[mt][n][2 * r + 1] - delta) * p.scale;
+          ptx::st_shared_b32(sDs + PTile::offset(row(mt, r), sdp_n / 8 + n) + (lane % 4) * 4,
+                             ptx::pack2<T>(ds0, ds1));
+        }
+      }
+    __syncthreads();  // P and dS of every warp are in shared memory
+
+    // dV += P^T dO and dK += dS^T Q: 32 keys x H/2 per warp. P^T and dS^T come from ldmatrix.trans
+    // of P and dS: matrix i holds keys +8*(i%2) x queries +8*(i/2), the A-fragment order.
+#pragma unroll Cfg::kKStepUnroll
+    for (int ks = 0; ks < kBlockM / 16; ++ks) {
+      uint32_t a_p[2][4], a_ds[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const int off = PTile::offset(ks * 16 + (lane / 16) * 8 + lane % 8, (dkv_n + mt * 16) / 8 + (lane / 8) % 2);
+        ptx::ldmatrix_x4_trans(a_p[mt], sP + off);
+        ptx::ldmatrix_x4_trans(a_ds[mt], sDs + off);
+      }
+#pragma unroll
+      for (int d = 0; d < kDkvTiles; d += 2) {
+        // Transposed matrices: queries ks*16..+7 / +8..+15 for dims (dkv_d/8 + d)*8.. and the next 8.
+        const int off = QTile::offset(ks * 16 + lane % 8 + ((lane / 8) % 2) * 8, dkv_d / 8 + d + lane / 16);
+        uint32_t b[4];
+        ptx::ldmatrix_x4_trans(b, sDo + off);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          ptx::mma_16816<T>(acc_dv[mt][d], a_p[mt], b[0], b[1]);
+          ptx::mma_16816<T>(acc_dv[mt][d + 1], a_p[mt], b[2], b[3]);
+        }
+        ptx::ldmatrix_x4_trans(b, sQ + off);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          ptx::mma_16816<T>(acc_dk[mt][d], a_ds[mt], b[0], b[1]);
+          ptx::mma_16816<T>(acc_dk[mt][d + 1], a_ds[mt], b[2], b[3]);
+        }
+      }
+    }
+
+    // dQ[q_first .. +kBlockM) += dS K: this warp's rows x columns, added with atomics.
+    {
+      float acc_dq[kDqMTiles][kDqNTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kDqMTiles; ++mt)
+#pragma unroll
+        for (int d = 0; d < kDqNTiles; ++d)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc_dq[mt][d][i] = 0.f;
+#pragma unroll Cfg::kKStepUnroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        uint32_t a[kDqMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kDqMTiles; ++mt)
+          ptx::ldmatrix_x4(a[mt], sDs + PTile::offset(dq_m + mt * 16 + lane % 16, ks * 2 + lane / 16));
+#pragma unroll
+        for (int d = 0; d < kDqNTiles; d += 2) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4_trans(b, sK + KTile::offset(ks * 16 + lane % 8 + ((lane / 8) % 2) * 8,
+                                                       dq_d / 8 + d + lane / 16));
+#pragma unroll
+          for (int mt = 0; mt < kDqMTiles; ++mt) {
+            ptx::mma_16816<T>(acc_dq[mt][d], a[mt], b[0], b[1]);
+            ptx::mma_16816<T>(acc_dq[mt][d + 1], a[mt], b[2], b[3]);
+          }
+        }
+      }
+      float* dq = p.dq_accum + (int64_t(batch) * p.seqlen_q + q_first) * q_row_stride + head * kHeadDim + dq_d;
+#pragma unroll
+      for (int mt = 0; mt < kDqMTiles; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int q = dq_m + mt * 16 + r * 8 + lane / 4;
+          if (q_first + q < p.seqlen_q) {
+#pragma unroll
+            for (int d = 0; d < kDqNTiles; ++d)
+              ptx::red_add_f32x2(dq + q * q_row_stride + d * 8 + (lane % 4) * 2, acc_dq[mt][d][2 * r],
+                                 acc_dq[mt][d][2 * r + 1]);
+          }
+        }
     }
   }
   ptx::cp_async_wait<0>();
-  __syncthreads();
+  __syncthreads();  // every warp is done with K and V, whose buffers stage dK and dV
 
-  // Epilogue: dK, dV to T, staged in this warp's own rows of sK / sV, stored as 16-byte chunks.
+  // Epilogue: dK, dV to T in sK / sV, then whole rows as 16-byte chunks.
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
+  for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int d = 0; d < kDTiles; ++d) {
-      const int off = KTile::offset(key_row + r * 8, d) + (lane % 4) * 4;
-      ptx::st_shared_b32(sK + off, ptx::pack2<T>(acc_dk[d][2 * r], acc_dk[d][2 * r + 1]));
-      ptx::st_shared_b32(sV + off, ptx::pack2<T>(acc_dv[d][2 * r], acc_dv[d][2 * r + 1]));
-    }
-  __syncwarp();
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int d = 0; d < kDkvTiles; ++d) {
+        const int off = KTile::offset(dkv_n + mt * 16 + r * 8 + lane / 4, dkv_d / 8 + d) + (lane % 4) * 4;
+        ptx::st_shared_b32(sK + off, ptx::pack2<T>(acc_dk[mt][d][2 * r], acc_dk[mt][d][2 * r + 1]));
+        ptx::st_shared_b32(sV + off, ptx::pack2<T>(acc_dv[mt][d][2 * r], acc_dv[mt][d][2 * r + 1]));
+      }
+  __syncthreads();  // a row's two halves come from two warps
   T* gdk = static_cast<T*>(p.dk) + kv_offset;
   T* gdv = static_cast<T*>(p.dv) + kv_offset;
   constexpr int kChunks = KTile::kChunks;
-#pragma unroll
-  for (int i = lane; i < 16 * kChunks; i += 32) {
-    const int row = warp * 16 + i / kChunks, chunk = i % kChunks;
+  for (int i = tid; i < kBlockN * kChunks; i += Cfg::kThreads) {
+    const int row = i / kChunks, chunk = i % kChunks;
     if (row < keys_valid) {
       *reinterpret_cast<uint4*>(gdk + row * kv_row_stride + chunk * 8) =
           ptx::ld_shared_v4(sK + KTile::offset(row, chunk));

@@ -2,7 +2,7 @@
 //
 // Every warp owns whole m16 tiles (the M of mma.sync m16n8k16), so the row statistics of the
 // softmax stay inside a quad of threads. The register budget sets the rest: the forward keeps O
-// (rows x H fp32) per warp, the backward dK and dV (2 x 16 x H fp32), which limits it to H <= 128.
+// (rows x H fp32) per warp, the backward dK and dV (2 x 32 x H/2 fp32), which limits it to H <= 128.
 #pragma once
 
 #include "common/tile.cuh"
@@ -39,23 +39,33 @@ template <typename T_, int kHeadDim_>
 struct BwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
-  static_assert(kHeadDim <= 128, "dK and dV accumulators of 16 x H fp32 per warp");
+  static_assert(kHeadDim <= 128, "dK and dV accumulators of 32 keys x H/2 fp32 per warp");
   static constexpr int kWarps = 8;
-  static constexpr int kBlockN = 16 * kWarps;  // keys per CTA: 16 per warp
-  // Queries per step: 32 at H = 128 keeps S^T and dP^T (16 x kBlockM fp32 each) in registers.
-  static constexpr int kBlockM = kHeadDim == 128 ? 32 : 64;
   static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBlockN = 128;  // keys per CTA, resident with their dK and dV
+  static constexpr int kBlockM = 64;   // queries per step
+  // Each product gets its own warp grid, so that every warp's tile is 32 x 32 or larger (a loaded
+  // fragment feeds two or more mma.sync):
+  //   S = Q K^T, dP = dO V^T      2 x 4 warps of 32 queries x 32 keys
+  //   dV += P^T dO, dK += dS^T Q  4 x 2 warps of 32 keys x H/2
+  //   dQ = dS K                   2 x 4 warps of 32 queries x H/4, or 4 x 2 of 16 x H/2 where
+  //                               H/4 is not a whole number of n8 pairs (H = 32, 96)
+  static constexpr int kSdpWarpsN = 4;
+  static constexpr int kDkvWarpsD = 2;
+  static constexpr int kDqWarpsM = (kHeadDim / 4) % 16 == 0 ? 2 : 4;
+  static constexpr int kDqWarpsD = kWarps / kDqWarpsM;
+  static constexpr int kDqRowsPerWarp = kBlockM / kDqWarpsM;
+  static constexpr int kDqColsPerWarp = kHeadDim / kDqWarpsD;
   static constexpr int kStages = 2;  // Q/dO/lse/delta of the next step load during this one
+  // The k-step loops of the products are unrolled only where registers allow: above H = 64,
+  // ptxas then loads every step's fragments early and spills (docs/PERF.md, step 9).
+  static constexpr int kKStepUnroll = kHeadDim <= 64 ? 16 : 1;
   using KTile = SmemTile<kBlockN, kHeadDim>;
   using QTile = SmemTile<kBlockM, kHeadDim>;
-  using DsTile = SmemTile<kBlockN, kBlockM>;  // dS^T, read back transposed for dQ = dS K
+  using PTile = SmemTile<kBlockM, kBlockN>;  // P and dS, [query][key]
   static constexpr int kRowStatsBytes = 2 * kBlockM * 4;  // lse and delta, float32
   static constexpr int kStageBytes = 2 * QTile::kBytes + kRowStatsBytes;
-  static constexpr int kSmemBytes = 2 * KTile::kBytes + kStages * kStageBytes + DsTile::kBytes;
-  // dQ = dS K is split over the warps: kBlockM / 16 row tiles, the head dim shared out.
-  static constexpr int kDqWarpsPerRowTile = kWarps / (kBlockM / 16);
-  static constexpr int kDqTilesPerWarp = kHeadDim / 8 / kDqWarpsPerRowTile;
-  static_assert(kDqTilesPerWarp % 2 == 0, "dQ n8 tiles are loaded in pairs");
+  static constexpr int kSmemBytes = 2 * KTile::kBytes + kStages * kStageBytes + 2 * PTile::kBytes;
 };
 
 }  // namespace jax_flash::sm80
