@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_flash import _batching
+
 
 @functools.cache
 def extension():
@@ -56,25 +58,35 @@ def _window_attrs(config) -> dict:
 
 
 def forward(config, q, k, v):
-    """(out [B, T, N, H], lse [B, N, T] float32) from the forward kernel."""
+    """(out [B, T, N, H], lse [B, N, T] float32) from the forward kernel; under vmap, one call
+    with the mapped axis folded into the batch or the heads (_batching.py)."""
     register_targets()
-    b, t, n, _ = q.shape
-    result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
-    call = jax.ffi.ffi_call("jax_flash_fwd", result_types, vmap_method="sequential")
-    return call(q, k, v, **_window_attrs(config))
+    attrs = _window_attrs(config)
+
+    def run(q, k, v):
+        b, t, n, _ = q.shape
+        result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
+        return jax.ffi.ffi_call("jax_flash_fwd", result_types)(q, k, v, **attrs)
+
+    return _batching.fold_queries_into_heads(run)(q, k, v)
 
 
 def backward(config, q, k, v, out, lse, d_out, d_lse):
-    """(dq, dk, dv) from the backward kernels; lse and d_lse are [B, N, T] float32."""
+    """(dq, dk, dv) from the backward kernels; lse and d_lse are [B, N, T] float32. Under vmap,
+    one call with the mapped axis folded into the batch."""
     register_targets()
-    b, t, n, _ = q.shape
-    result_types = (
-        jax.ShapeDtypeStruct(q.shape, jnp.float32),  # dQ accumulator, filled with atomics
-        jax.ShapeDtypeStruct(k.shape, k.dtype),
-        jax.ShapeDtypeStruct(v.shape, v.dtype),
-        jax.ShapeDtypeStruct((b, n, t), jnp.float32),  # delta = rowsum(dO * O) - dlse, scratch
-    )
-    call = jax.ffi.ffi_call("jax_flash_bwd", result_types, vmap_method="sequential")
-    dq_accum, dk, dv, _ = call(q, k, v, out, lse.astype(jnp.float32), d_out,
-                               d_lse.astype(jnp.float32), **_window_attrs(config))  # fmt: skip
+    attrs = _window_attrs(config)
+
+    def run(q, k, v, out, lse, d_out, d_lse):
+        b, t, n, _ = q.shape
+        result_types = (
+            jax.ShapeDtypeStruct(q.shape, jnp.float32),  # dQ accumulator, filled with atomics
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct((b, n, t), jnp.float32),  # delta = rowsum(dO * O) - dlse, scratch
+        )
+        return jax.ffi.ffi_call("jax_flash_bwd", result_types)(q, k, v, out, lse, d_out, d_lse, **attrs)
+
+    dq_accum, dk, dv, _ = _batching.fold_into_batch(run)(q, k, v, out, lse.astype(jnp.float32), d_out,
+                                                          d_lse.astype(jnp.float32))  # fmt: skip
     return dq_accum.astype(q.dtype), dk, dv
