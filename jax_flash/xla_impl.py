@@ -270,12 +270,14 @@ def _backward(cfg, plan, ops, out, lse, d_out, d_lse):
             return dq, dk, dv, dbias
 
         lo, hi = _key_block_range(cfg, plan, iq)
-        dq0 = jnp.zeros(q_block.shape, acc)
+        dq0 = jnp.zeros_like(q_block, acc)
         dq, dk, dv, dbias = lax.fori_loop(lo, hi, step, (dq0,) + carry)
         return (dk, dv, dbias), dq.reshape(b, plan.block_q, kv_heads * g, h)
 
-    dbias0 = None if ops.bias is None else jnp.zeros(ops.bias.shape, acc)
-    zeros_kv = jnp.zeros(ops.k.shape, acc)
+    # zeros_like, not zeros: under explicit sharding the accumulators take the shardings of k and
+    # the bias, which the updates in the loop carry.
+    dbias0 = None if ops.bias is None else jnp.zeros_like(ops.bias, acc)
+    zeros_kv = jnp.zeros_like(ops.k, acc)
     (dk, dv, dbias), dq = lax.scan(q_block_step, (zeros_kv, zeros_kv, dbias0),
                                    jnp.arange(plan.num_q_blocks))  # fmt: skip
     return _unblock(dq, t).astype(dtype), dk, dv, dbias

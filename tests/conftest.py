@@ -1,7 +1,13 @@
-"""Shared test setup: float64 enabled (the reference runs in it), and the `gpu` marker's skip."""
+"""Shared test setup: eight host devices (the sharding tests), float64 enabled (the reference
+runs in it), and the `gpu` marker's skip."""
 
-import jax
-import pytest
+import os
+
+# Set before JAX starts its CPU backend; it only adds CPU devices, the default device is unchanged.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
