@@ -30,6 +30,28 @@ struct SmemTile {
   }
 };
 
+// One thread's shared-memory addresses for an unrolled walk over the chunks chunk0 + kStep * i
+// (i < kCount) of rows row0 + 8m of a tile. The swizzle repeats every 8 rows, and a walk that
+// starts at a panel boundary (chunk0 % kPanelChunks < kStep) repeats it every panel, so a few
+// registers computed once serve the whole walk: each access is a register plus an immediate,
+// where the swizzle computed per access cost more integer instructions than there were mma.sync.
+template <typename Tile, int kCount, int kStep = 2>
+struct ChunkWalk {
+  static constexpr int kRegs = kCount <= 4 ? kCount : Tile::kPanelChunks / kStep;
+  static constexpr int kRowBytes = Tile::kPanelChunks * 16;
+  static constexpr int kPanelBytes = Tile::kRows * kRowBytes;
+  uint32_t addr[kRegs];
+
+  __device__ __forceinline__ ChunkWalk(uint32_t tile, int row0, int chunk0) {
+#pragma unroll
+    for (int j = 0; j < kRegs; ++j) addr[j] = tile + Tile::offset(row0, chunk0 + kStep * j);
+  }
+  // Step i, `rows` (a multiple of 8) further down; both compile-time constants once unrolled.
+  __device__ __forceinline__ uint32_t operator()(int i, int rows = 0) const {
+    return addr[i % kRegs] + (i / kRegs) * kPanelBytes + rows * kRowBytes;
+  }
+};
+
 // Copy `rows_valid` rows of a [Tile::kRows, Tile::kCols] global tile (row stride in elements)
 // into shared memory with cp.async; rows past rows_valid are zero-filled. One commit group is
 // left to the caller.

@@ -71,14 +71,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   constexpr int kDqNTiles = Cfg::kDqColsPerWarp / 8;
 
   extern __shared__ __align__(128) char smem[];
-  const uint32_t smem_base = ptx::smem_addr(smem);
-  // Layout: K, V, kStages x (Q, dO, lse, delta), P, dS. Re-derived from an opaque base in the main
-  // loop (see ptx::opaque) so that fragment addresses are not all hoisted into registers.
-  uint32_t sK = smem_base, sV = sK + KTile::kBytes, sStages = sV + KTile::kBytes;
-  uint32_t sP = sStages + Cfg::kStages * Cfg::kStageBytes, sDs = sP + PTile::kBytes;
-  // Per stage: Q tile, dO tile, then the lse and delta of its rows (float32).
+  // Layout: K, V, kStages x (Q, dO, lse, delta), P, dS.
+  const uint32_t sK = ptx::smem_addr(smem), sV = sK + KTile::kBytes, sStages = sV + KTile::kBytes;
+  const uint32_t sP = sStages + Cfg::kStages * Cfg::kStageBytes, sDs = sP + PTile::kBytes;
+  // Per stage: Q tile, dO tile, then the lse and delta of its rows (float32). dO and dS sit at
+  // fixed distances from Q and P, so the fragment addresses of one serve the other.
+  constexpr int kDoFromQ = QTile::kBytes, kVFromK = KTile::kBytes, kDsFromP = PTile::kBytes;
   auto stage_q = [&](int s) { return sStages + s * Cfg::kStageBytes; };
-  auto stage_do = [&](int s) { return stage_q(s) + QTile::kBytes; };
+  auto stage_do = [&](int s) { return stage_q(s) + kDoFromQ; };
   auto stage_stats = [&](int s) { return stage_do(s) + QTile::kBytes; };
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -140,6 +140,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   const int dq_m = warp / Cfg::kDqWarpsD * Cfg::kDqRowsPerWarp;
   const int dq_d = warp % Cfg::kDqWarpsD * Cfg::kDqColsPerWarp;
 
+  // Every fragment address of the main loop, as a few registers per walk (tile.cuh). ldmatrix.x4
+  // lanes give the row addresses of matrix lane / 8; the Q-stage walks are for stage 0.
+  // S = Q K^T, dP = dO V^T: A = rows of Q (dO), matrices (rows +0/+8, dims 2ks / 2ks+1);
+  // B = rows of K (V), matrices (keys n*8 / +8) x (dims 2ks, 2ks+1).
+  const ChunkWalk<QTile, kKSteps> a_q(stage_q(0), sdp_m + lane % 16, lane / 16);
+  const ChunkWalk<KTile, kKSteps> b_k(sK, sdp_n + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+  // P and dS stores: this thread's two 16-bit values of n8 tile n in its accumulator rows.
+  const ChunkWalk<PTile, 4, 1> st_p(sP + (lane % 4) * 4, sdp_m + lane / 4, sdp_n / 8);
+  // dV += P^T dO, dK += dS^T Q: A = ldmatrix.trans of P (dS), matrix i holding keys +8*(i%2) x
+  // queries +8*(i/2); B = ldmatrix.trans of dO (Q): queries +0/+8 x dims of n8 tiles d, d+1.
+  const ChunkWalk<PTile, 2> at_p(sP, (lane / 16) * 8 + lane % 8, dkv_n / 8 + (lane / 8) % 2);
+  const ChunkWalk<QTile, kDkvTiles / 2> bt_q(stage_q(0), lane % 8 + ((lane / 8) % 2) * 8, dkv_d / 8 + lane / 16);
+  // dQ = dS K: A = rows of dS, B = ldmatrix.trans of K.
+  const ChunkWalk<PTile, kBlockN / 16> a_ds(sDs, dq_m + lane % 16, lane / 16);
+  const ChunkWalk<KTile, kDqNTiles / 2> bt_k(sK, lane % 8 + ((lane / 8) % 2) * 8, dq_d / 8 + lane / 16);
+
   float acc_dk[2][kDkvTiles][4], acc_dv[2][kDkvTiles][4];
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
@@ -149,23 +165,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
       for (int i = 0; i < 4; ++i) acc_dk[mt][d][i] = acc_dv[mt][d][i] = 0.f;
 
   for (int s = 0; s < steps; ++s) {
-    sK = ptx::opaque(smem_base);
-    sV = sK + KTile::kBytes;
-    sStages = sV + KTile::kBytes;
-    sP = sStages + Cfg::kStages * Cfg::kStageBytes;
-    sDs = sP + PTile::kBytes;
-    // The lane through an opaque move too, so that the swizzled fragment addresses derived from
-    // it are recomputed each step rather than hoisted out of the loop into a hundred registers.
-    const int lane = int(ptx::opaque(threadIdx.x % 32));
     const int stage = s % Cfg::kStages;
+    const uint32_t stage_offset = stage * Cfg::kStageBytes;
     ptx::cp_async_wait<0>();
     // One barrier for two things: this step's tiles have landed, and every warp is done with the
     // previous step, whose stage buffer the prefetch below refills and whose P and dS get rewritten.
     __syncthreads();
     if (s + 1 < steps) prefetch(next, (s + 1) % Cfg::kStages);
     ptx::cp_async_commit();
-    const uint32_t sQ = stage_q(stage), sDo = stage_do(stage);
-    const float* stats = reinterpret_cast<const float*>(smem + (stage_stats(stage) - smem_base));
+    const float* stats = reinterpret_cast<const float*>(smem + (stage_stats(stage) - sK));
     const int head = cur.head;
     const int q_first = cur.m_block * kBlockM;
     cur = next;
@@ -176,27 +184,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     const bool masked = !band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1);
     float acc[2][4][4];
     uint32_t p_packed[2][4][2];
-    auto zero_acc = [&] {
+    // acc = A B^T with A = Q (or dO, a_shift bytes on) and B = K (or V, b_shift bytes on).
+    auto product = [&](uint32_t a_shift, uint32_t b_shift) {
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int n = 0; n < 4; ++n)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[mt][n][i] = 0.f;
-    };
-    // acc += A B^T for A = rows sdp_m.. of a [kBlockM, H] tile, B = rows sdp_n.. of a [kBlockN, H] tile.
-    auto product = [&](uint32_t sA, uint32_t sB) {
-#pragma unroll Cfg::kKStepUnroll
+#pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
         uint32_t a[2][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-          ptx::ldmatrix_x4(a[mt], sA + QTile::offset(sdp_m + mt * 16 + lane % 16, ks * 2 + lane / 16));
+        for (int mt = 0; mt < 2; ++mt) ptx::ldmatrix_x4(a[mt], a_q(ks, mt * 16) + a_shift);
 #pragma unroll
         for (int n = 0; n < 4; n += 2) {
-          // Matrices: keys n*8..+7 (dims 2ks, 2ks+1), keys (n+1)*8..+7 (same dims).
           uint32_t b[4];
-          ptx::ldmatrix_x4(b, sB + KTile::offset(sdp_n + n * 8 + lane % 8 + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
+          ptx::ldmatrix_x4(b, b_k(ks, n * 8) + b_shift);
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
             ptx::mma_16816<T>(acc[mt][n], a[mt], b[0], b[1]);
@@ -211,8 +215,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
 
     // P = exp(scale * S - lse). A row that sees no key has lse = -inf and must give P = 0; keys
     // outside the band or past seqlen_k are masked here.
-    zero_acc();
-    product(sQ, sK);
+    product(stage_offset, 0);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -228,13 +231,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
             if (masked && !band.visible(q_first + row(mt, r), k_first + col(n, j))) prob[j] = 0.f;
           }
           p_packed[mt][n][r] = ptx::pack2<T>(prob[0], prob[1]);
-          ptx::st_shared_b32(sP + PTile::offset(row(mt, r), sdp_n / 8 + n) + (lane % 4) * 4, p_packed[mt][n][r]);
+          ptx::st_shared_b32(st_p(n, mt * 16 + r * 8), p_packed[mt][n][r]);
         }
       }
 
     // dS = scale * P (dP - delta).
-    zero_acc();
-    product(sDo, sV);
+    product(stage_offset + kDoFromQ, kVFromK);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -245,35 +247,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
           const float2 prob = ptx::unpack2<T>(p_packed[mt][n][r]);
           const float ds0 = prob.x * (acc[mt][n][2 * r] - delta) * p.scale;
           const float ds1 = prob.y * (acc[mt][n][2 * r + 1] - delta) * p.scale;
-          ptx::st_shared_b32(sDs + PTile::offset(row(mt, r), sdp_n / 8 + n) + (lane % 4) * 4,
-                             ptx::pack2<T>(ds0, ds1));
+          ptx::st_shared_b32(st_p(n, mt * 16 + r * 8) + kDsFromP, ptx::pack2<T>(ds0, ds1));
         }
       }
     __syncthreads();  // P and dS of every warp are in shared memory
 
-    // dV += P^T dO and dK += dS^T Q: 32 keys x H/2 per warp. P^T and dS^T come from ldmatrix.trans
-    // of P and dS: matrix i holds keys +8*(i%2) x queries +8*(i/2), the A-fragment order.
-#pragma unroll Cfg::kKStepUnroll
+    // dV += P^T dO and dK += dS^T Q: 32 keys x H/2 per warp.
+#pragma unroll
     for (int ks = 0; ks < kBlockM / 16; ++ks) {
       uint32_t a_p[2][4], a_ds[2][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        const int off = PTile::offset(ks * 16 + (lane / 16) * 8 + lane % 8, (dkv_n + mt * 16) / 8 + (lane / 8) % 2);
-        ptx::ldmatrix_x4_trans(a_p[mt], sP + off);
-        ptx::ldmatrix_x4_trans(a_ds[mt], sDs + off);
+        ptx::ldmatrix_x4_trans(a_p[mt], at_p(mt, ks * 16));
+        ptx::ldmatrix_x4_trans(a_ds[mt], at_p(mt, ks * 16) + kDsFromP);
       }
 #pragma unroll
       for (int d = 0; d < kDkvTiles; d += 2) {
-        // Transposed matrices: queries ks*16..+7 / +8..+15 for dims (dkv_d/8 + d)*8.. and the next 8.
-        const int off = QTile::offset(ks * 16 + lane % 8 + ((lane / 8) % 2) * 8, dkv_d / 8 + d + lane / 16);
         uint32_t b[4];
-        ptx::ldmatrix_x4_trans(b, sDo + off);
+        ptx::ldmatrix_x4_trans(b, bt_q(d / 2, ks * 16) + stage_offset + kDoFromQ);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           ptx::mma_16816<T>(acc_dv[mt][d], a_p[mt], b[0], b[1]);
           ptx::mma_16816<T>(acc_dv[mt][d + 1], a_p[mt], b[2], b[3]);
         }
-        ptx::ldmatrix_x4_trans(b, sQ + off);
+        ptx::ldmatrix_x4_trans(b, bt_q(d / 2, ks * 16) + stage_offset);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           ptx::mma_16816<T>(acc_dk[mt][d], a_ds[mt], b[0], b[1]);
@@ -291,17 +288,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
         for (int d = 0; d < kDqNTiles; ++d)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc_dq[mt][d][i] = 0.f;
-#pragma unroll Cfg::kKStepUnroll
+#pragma unroll
       for (int ks = 0; ks < kBlockN / 16; ++ks) {
         uint32_t a[kDqMTiles][4];
 #pragma unroll
-        for (int mt = 0; mt < kDqMTiles; ++mt)
-          ptx::ldmatrix_x4(a[mt], sDs + PTile::offset(dq_m + mt * 16 + lane % 16, ks * 2 + lane / 16));
+        for (int mt = 0; mt < kDqMTiles; ++mt) ptx::ldmatrix_x4(a[mt], a_ds(ks, mt * 16));
 #pragma unroll
         for (int d = 0; d < kDqNTiles; d += 2) {
           uint32_t b[4];
-          ptx::ldmatrix_x4_trans(b, sK + KTile::offset(ks * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                                       dq_d / 8 + d + lane / 16));
+          ptx::ldmatrix_x4_trans(b, bt_k(d / 2, ks * 16));
 #pragma unroll
           for (int mt = 0; mt < kDqMTiles; ++mt) {
             ptx::mma_16816<T>(acc_dq[mt][d], a[mt], b[0], b[1]);

@@ -31,9 +31,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(128) char smem[];
-  const uint32_t smem_base = ptx::smem_addr(smem);
-
-  uint32_t sQ = smem_base, sK = sQ + QTile::kBytes, sV = sK + KTile::kBytes;
+  const uint32_t sQ = ptx::smem_addr(smem);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   // Longest rows first: with a causal band the last query blocks have the most keys.
   const int m_block = gridDim.x - 1 - blockIdx.x;
@@ -75,9 +73,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
 
   if (n_begin < n_end) {
     // K and V of one key block into stage `stage` (the stages alternate between key blocks).
+    const uint32_t sK0 = sQ + QTile::kBytes;  // K of stage 0; V follows K in each stage
     auto load_kv = [&](int n_block, int stage) {
       const int k_first = n_block * kBlockN;
-      const uint32_t sK_stage = sQ + QTile::kBytes + stage * Cfg::kStageBytes;
+      const uint32_t sK_stage = sK0 + stage * Cfg::kStageBytes;
       load_tile_async<KTile, Cfg::kThreads, Cfg::kUnrollLoads>(
           sK_stage, gK + int64_t(k_first) * kv_row_stride, kv_row_stride, p.seqlen_k - k_first, tid);
       load_tile_async<KTile, Cfg::kThreads, Cfg::kUnrollLoads>(
@@ -88,17 +87,19 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
     load_kv(n_end - 1, 0);
     ptx::cp_async_commit();
 
-    // Q fragments (A operand): lanes 0-15 give rows, lanes 16-31 the second 8 columns.
+    // Fragment addresses as a few registers per walk (tile.cuh); the K/V ones are for stage 0.
+    // Q (A operand): lanes 0-15 give rows, lanes 16-31 the second 8 columns.
+    const ChunkWalk<QTile, kKSteps> a_q(sQ, warp_row0 + lane % 16, lane / 16);
+    // K (B operand): matrices keys n*8..+7 / +8..+15 x columns 2ks / 2ks+1.
+    const ChunkWalk<KTile, kKSteps> b_k(sK0, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+    // V (B operand, transposed): keys ks*16..+7 / +8..+15 x columns of n8 tiles d, d+1.
+    const ChunkWalk<KTile, kDTiles / 2> bt_v(sK0 + KTile::kBytes, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
     uint32_t q_frag[kMTiles][Cfg::kQInRegs ? kKSteps : 1][4];
-    auto load_q_frag = [&](uint32_t (&frag)[4], int mt, int ks) {
-      ptx::ldmatrix_x4(frag, sQ + QTile::offset(warp_row0 + mt * 16 + lane % 16, ks * 2 + lane / 16));
-    };
+    auto load_q_frag = [&](uint32_t (&frag)[4], int mt, int ks) { ptx::ldmatrix_x4(frag, a_q(ks, mt * 16)); };
 
     int stage = 0;
     for (int n_block = n_end - 1; n_block >= n_begin; --n_block, stage ^= 1) {
-      sQ = ptx::opaque(smem_base);
-      sK = sQ + QTile::kBytes + stage * Cfg::kStageBytes;
-      sV = sK + KTile::kBytes;
+      const uint32_t stage_offset = stage * Cfg::kStageBytes;
       const int k_first = n_block * kBlockN;
       ptx::cp_async_wait<0>();  // K and V of n_block (and Q) have landed
       // The one barrier per key block: the tiles are visible to every warp, and every warp is
@@ -132,8 +133,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
         for (int n = 0; n < kNTiles; n += 2) {
           // Matrices: keys n*8..+7 (cols 2ks, 2ks+1), keys (n+1)*8..+7 (same cols).
           uint32_t b[4];
-          ptx::ldmatrix_x4(b, sK + KTile::offset(n * 8 + lane % 8 + (lane / 16) * 8,
-                                                 ks * 2 + (lane / 8) % 2));
+          ptx::ldmatrix_x4(b, b_k(ks, n * 8) + stage_offset);
 #pragma unroll
           for (int mt = 0; mt < kMTiles; ++mt) {
             const uint32_t(&a)[4] = Cfg::kQInRegs ? q_frag[mt][Cfg::kQInRegs ? ks : 0] : q_reload[mt];
@@ -201,8 +201,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
         for (int d = 0; d < kDTiles; d += 2) {
           // Transposed matrices: keys ks*16..+7 / +8..+15 for columns d*8.. and (d+1)*8..
           uint32_t b[4];
-          ptx::ldmatrix_x4_trans(b, sV + KTile::offset(ks * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                                       d + lane / 16));
+          ptx::ldmatrix_x4_trans(b, bt_v(d / 2, ks * 16) + stage_offset);
 #pragma unroll
           for (int mt = 0; mt < kMTiles; ++mt) {
             ptx::mma_16816<T>(acc_o[mt][d], a[mt], b[0], b[1]);

@@ -57,9 +57,6 @@ struct BwdConfig {
   static constexpr int kDqRowsPerWarp = kBlockM / kDqWarpsM;
   static constexpr int kDqColsPerWarp = kHeadDim / kDqWarpsD;
   static constexpr int kStages = 2;  // Q/dO/lse/delta of the next step load during this one
-  // The k-step loops of the products are unrolled only where registers allow: above H = 64,
-  // ptxas then loads every step's fragments early and spills (docs/PERF.md, step 9).
-  static constexpr int kKStepUnroll = kHeadDim <= 64 ? 16 : 1;
   using KTile = SmemTile<kBlockN, kHeadDim>;
   using QTile = SmemTile<kBlockM, kHeadDim>;
   using PTile = SmemTile<kBlockM, kBlockN>;  // P and dS, [query][key]
