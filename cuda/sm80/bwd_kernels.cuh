@@ -67,6 +67,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
   constexpr int kKSteps = kHeadDim / 16;          // k16 steps of S and dP
   constexpr int kDkvTiles = kHeadDim / 2 / 8;     // n8 tiles of a warp's dK and dV rows
+  constexpr int kSdpMTiles = Cfg::kSdpRowsPerWarp / 16;  // m16 tiles of a warp's S and dP
   constexpr int kDqMTiles = Cfg::kDqRowsPerWarp / 16;
   constexpr int kDqNTiles = Cfg::kDqColsPerWarp / 8;
 
@@ -135,7 +136,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   ptx::cp_async_commit();
 
   // This warp's tiles in the three warp grids (traits.cuh).
-  const int sdp_m = warp / Cfg::kSdpWarpsN * 32, sdp_n = warp % Cfg::kSdpWarpsN * 32;
+  const int sdp_m = warp / Cfg::kSdpWarpsN * Cfg::kSdpRowsPerWarp, sdp_n = warp % Cfg::kSdpWarpsN * 32;
   const int dkv_n = warp / Cfg::kDkvWarpsD * 32, dkv_d = warp % Cfg::kDkvWarpsD * (kHeadDim / 2);
   const int dq_m = warp / Cfg::kDqWarpsD * Cfg::kDqRowsPerWarp;
   const int dq_d = warp % Cfg::kDqWarpsD * Cfg::kDqColsPerWarp;
@@ -179,30 +180,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     cur = next;
     next.advance(m_begin, m_end);
 
-    // S = Q K^T, then P, then dP = dO V^T: 32 queries x 32 keys per warp. S and dP take turns in
+    // S = Q K^T, then P, then dP = dO V^T: kSdpRowsPerWarp queries x 32 keys per warp. S and dP take turns in
     // the same registers; P waits for dP packed to 16 bits (the precision it is stored in).
     const bool masked = !band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1);
-    float acc[2][4][4];
-    uint32_t p_packed[2][4][2];
+    float acc[kSdpMTiles][4][4];
+    uint32_t p_packed[kSdpMTiles][4][2];
     // acc = A B^T with A = Q (or dO, a_shift bytes on) and B = K (or V, b_shift bytes on).
     auto product = [&](uint32_t a_shift, uint32_t b_shift) {
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < kSdpMTiles; ++mt)
 #pragma unroll
         for (int n = 0; n < 4; ++n)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[mt][n][i] = 0.f;
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
-        uint32_t a[2][4];
+        uint32_t a[kSdpMTiles][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) ptx::ldmatrix_x4(a[mt], a_q(ks, mt * 16) + a_shift);
+        for (int mt = 0; mt < kSdpMTiles; ++mt) ptx::ldmatrix_x4(a[mt], a_q(ks, mt * 16) + a_shift);
 #pragma unroll
         for (int n = 0; n < 4; n += 2) {
           uint32_t b[4];
           ptx::ldmatrix_x4(b, b_k(ks, n * 8) + b_shift);
 #pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
+          for (int mt = 0; mt < kSdpMTiles; ++mt) {
             ptx::mma_16816<T>(acc[mt][n], a[mt], b[0], b[1]);
             ptx::mma_16816<T>(acc[mt][n + 1], a[mt], b[2], b[3]);
           }
@@ -217,7 +218,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     // outside the band or past seqlen_k are masked here.
     product(stage_offset, 0);
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < kSdpMTiles; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float lse = stats[row(mt, r)];
@@ -238,7 +239,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     // dS = scale * P (dP - delta).
     product(stage_offset + kDoFromQ, kVFromK);
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < kSdpMTiles; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float delta = stats[kBlockM + row(mt, r)];

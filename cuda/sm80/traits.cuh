@@ -43,19 +43,24 @@ struct BwdConfig {
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockN = 128;  // keys per CTA, resident with their dK and dV
-  static constexpr int kBlockM = 64;   // queries per step
+  // Queries per step: 128 where H <= 64, whose products are too short to hide the fixed cost of a
+  // step (two barriers, the softmax, P and dS through shared memory) at 64 queries.
+  static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;
   // Each product gets its own warp grid, so that every warp's tile is 32 x 32 or larger (a loaded
   // fragment feeds two or more mma.sync):
-  //   S = Q K^T, dP = dO V^T      2 x 4 warps of 32 queries x 32 keys
+  //   S = Q K^T, dP = dO V^T      2 x 4 warps of kBlockM/2 queries x 32 keys
   //   dV += P^T dO, dK += dS^T Q  4 x 2 warps of 32 keys x H/2
-  //   dQ = dS K                   2 x 4 warps of 32 queries x H/4, or 4 x 2 of 16 x H/2 where
-  //                               H/4 is not a whole number of n8 pairs (H = 32, 96)
+  //   dQ = dS K                   2 x 4 warps of 32 queries x H/4 (kBlockM = 64), or 4 x 2 of
+  //                               kBlockM/4 x H/2 where H/4 is not a whole number of n8 pairs
+  //                               (H = 32, 96) or the steps are 128 queries
   static constexpr int kSdpWarpsN = 4;
+  static constexpr int kSdpRowsPerWarp = kBlockM / (kWarps / kSdpWarpsN);
   static constexpr int kDkvWarpsD = 2;
-  static constexpr int kDqWarpsM = (kHeadDim / 4) % 16 == 0 ? 2 : 4;
+  static constexpr int kDqWarpsM = kBlockM == 64 && (kHeadDim / 4) % 16 == 0 ? 2 : 4;
   static constexpr int kDqWarpsD = kWarps / kDqWarpsM;
   static constexpr int kDqRowsPerWarp = kBlockM / kDqWarpsM;
   static constexpr int kDqColsPerWarp = kHeadDim / kDqWarpsD;
+  static_assert(2 * kBlockM <= kThreads, "one thread per lse or delta value of a step");
   static constexpr int kStages = 2;  // Q/dO/lse/delta of the next step load during this one
   using KTile = SmemTile<kBlockN, kHeadDim>;
   using QTile = SmemTile<kBlockM, kHeadDim>;
