@@ -72,20 +72,21 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   }
 
   if (n_begin < n_end) {
-    // K and V of one key block into stage `stage` (the stages alternate between key blocks).
+    // Key blocks are visited in order j = 0, 1, ... as n_block = n_end - 1 - j. K_j and V_j live
+    // in stage j % 2. With Cfg::kKLead, iteration j computes S of block j + 1 before the softmax
+    // and P V of block j, so that the tensor cores work while the softmax runs; K then loads one
+    // block ahead of V.
+    constexpr int kLead = Cfg::kKLead ? 1 : 0;
+    const int blocks = n_end - n_begin;
     const uint32_t sK0 = sQ + QTile::kBytes;  // K of stage 0; V follows K in each stage
-    auto load_kv = [&](int n_block, int stage) {
-      const int k_first = n_block * kBlockN;
-      const uint32_t sK_stage = sK0 + stage * Cfg::kStageBytes;
+    auto load_block = [&](const T* g, int j, uint32_t extra) {
+      const int k_first = (n_end - 1 - j) * kBlockN;
       load_tile_async<KTile, Cfg::kThreads, Cfg::kUnrollLoads>(
-          sK_stage, gK + int64_t(k_first) * kv_row_stride, kv_row_stride, p.seqlen_k - k_first, tid);
-      load_tile_async<KTile, Cfg::kThreads, Cfg::kUnrollLoads>(
-          sK_stage + KTile::kBytes, gV + int64_t(k_first) * kv_row_stride, kv_row_stride,
+          sK0 + (j % 2) * Cfg::kStageBytes + extra, g + int64_t(k_first) * kv_row_stride, kv_row_stride,
           p.seqlen_k - k_first, tid);
     };
-    load_tile_async<QTile, Cfg::kThreads, Cfg::kUnrollLoads>(sQ, gQ, q_row_stride, rows_valid, tid);
-    load_kv(n_end - 1, 0);
-    ptx::cp_async_commit();
+    auto load_k = [&](int j) { load_block(gK, j, 0); };
+    auto load_v = [&](int j) { load_block(gV, j, KTile::kBytes); };
 
     // Fragment addresses as a few registers per walk (tile.cuh); the K/V ones are for stage 0.
     // Q (A operand): lanes 0-15 give rows, lanes 16-31 the second 8 columns.
@@ -95,27 +96,17 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
     // V (B operand, transposed): keys ks*16..+7 / +8..+15 x columns of n8 tiles d, d+1.
     const ChunkWalk<KTile, kDTiles / 2> bt_v(sK0 + KTile::kBytes, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
     uint32_t q_frag[kMTiles][Cfg::kQInRegs ? kKSteps : 1][4];
-    auto load_q_frag = [&](uint32_t (&frag)[4], int mt, int ks) { ptx::ldmatrix_x4(frag, a_q(ks, mt * 16)); };
-
-    int stage = 0;
-    for (int n_block = n_end - 1; n_block >= n_begin; --n_block, stage ^= 1) {
-      const uint32_t stage_offset = stage * Cfg::kStageBytes;
-      const int k_first = n_block * kBlockN;
-      ptx::cp_async_wait<0>();  // K and V of n_block (and Q) have landed
-      // The one barrier per key block: the tiles are visible to every warp, and every warp is
-      // done with the previous block, whose stage the next load refills.
-      __syncthreads();
-      if (n_block > n_begin) load_kv(n_block - 1, stage ^ 1);
-      ptx::cp_async_commit();
-      if (Cfg::kQInRegs && n_block == n_end - 1) {
+    auto load_q_frags = [&] {
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
+      for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-          for (int ks = 0; ks < kKSteps; ++ks) load_q_frag(q_frag[mt][Cfg::kQInRegs ? ks : 0], mt, ks);
-      }
+        for (int ks = 0; ks < kKSteps; ++ks)
+          ptx::ldmatrix_x4(q_frag[mt][Cfg::kQInRegs ? ks : 0], a_q(ks, mt * 16));
+    };
 
-      // S = Q K^T for this warp's rows x kBlockN keys; each K fragment serves every m16 tile.
-      float acc_s[kMTiles][kNTiles][4];
+    // S = Q K_j^T for this warp's rows x kBlockN keys; each K fragment serves every m16 tile.
+    auto compute_s = [&](float (&acc_s)[kMTiles][kNTiles][4], int j) {
+      const uint32_t stage_offset = (j % 2) * Cfg::kStageBytes;
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -127,11 +118,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
         uint32_t q_reload[kMTiles][4];
         if constexpr (!Cfg::kQInRegs) {
 #pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) load_q_frag(q_reload[mt], mt, ks);
+          for (int mt = 0; mt < kMTiles; ++mt) ptx::ldmatrix_x4(q_reload[mt], a_q(ks, mt * 16));
         }
 #pragma unroll
         for (int n = 0; n < kNTiles; n += 2) {
-          // Matrices: keys n*8..+7 (cols 2ks, 2ks+1), keys (n+1)*8..+7 (same cols).
           uint32_t b[4];
           ptx::ldmatrix_x4(b, b_k(ks, n * 8) + stage_offset);
 #pragma unroll
@@ -142,8 +132,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
           }
         }
       }
+    };
 
-      // Band mask, only on blocks that straddle it or the end of the keys.
+    // Band mask, then the online softmax of block j; leaves P in acc_s.
+    auto softmax = [&](float (&acc_s)[kMTiles][kNTiles][4], int j) {
+      const int k_first = (n_end - 1 - j) * kBlockN;
+      // Only blocks that straddle the band or the end of the keys need the mask.
       if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
@@ -156,8 +150,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
               if (!band.visible(q, k)) acc_s[mt][n][i] = -INFINITY;
             }
       }
-
-      // Online softmax in base 2 with the scale folded in (one FFMA per element).
+      // Base 2 with the scale folded in (one FFMA per element).
       const float scale_log2 = p.scale * kLog2e;
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
@@ -189,8 +182,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
           acc_o[mt][d][2 * r + 1] *= rescale;
         }
       }
+    };
 
-      // O += P V: the S accumulators of two n8 tiles form the A fragment of one k16 step.
+    // O += P V_j: the S accumulators of two n8 tiles form the A fragment of one k16 step.
+    auto accumulate_pv = [&](const float (&acc_s)[kMTiles][kNTiles][4], int j) {
+      const uint32_t stage_offset = (j % 2) * Cfg::kStageBytes;
 #pragma unroll
       for (int ks = 0; ks < kBlockN / 16; ++ks) {
         uint32_t a[kMTiles][4];
@@ -199,7 +195,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
           ptx::accumulators_to_a<T>(a[mt], acc_s[mt][2 * ks], acc_s[mt][2 * ks + 1]);
 #pragma unroll
         for (int d = 0; d < kDTiles; d += 2) {
-          // Transposed matrices: keys ks*16..+7 / +8..+15 for columns d*8.. and (d+1)*8..
           uint32_t b[4];
           ptx::ldmatrix_x4_trans(b, bt_v(d / 2, ks * 16) + stage_offset);
 #pragma unroll
@@ -208,6 +203,46 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
             ptx::mma_16816<T>(acc_o[mt][d + 1], a[mt], b[2], b[3]);
           }
         }
+      }
+    };
+
+    float s_cur[kMTiles][kNTiles][4], s_next[kMTiles][kNTiles][4];
+    load_tile_async<QTile, Cfg::kThreads, Cfg::kUnrollLoads>(sQ, gQ, q_row_stride, rows_valid, tid);
+    load_k(0);
+    if (kLead && blocks > 1) load_k(1);
+    load_v(0);
+    ptx::cp_async_commit();
+    if constexpr (kLead) {
+      ptx::cp_async_wait<0>();
+      __syncthreads();
+      if constexpr (Cfg::kQInRegs) load_q_frags();
+      compute_s(s_cur, 0);
+    }
+    for (int j = 0; j < blocks; ++j) {
+      ptx::cp_async_wait<0>();  // K_{j+lead} and V_j (and Q) have landed
+      // The one barrier per key block: the tiles are visible to every warp, and every warp is
+      // done with the stage buffers that the loads below refill.
+      __syncthreads();
+      if (!kLead && Cfg::kQInRegs && j == 0) load_q_frags();
+      if (j + kLead + 1 < blocks) load_k(j + kLead + 1);
+      if (j + 1 < blocks) load_v(j + 1);
+      ptx::cp_async_commit();
+      if constexpr (kLead) {
+        // Unconditional, so that these mma.sync and the softmax below form one basic block the
+        // compiler can interleave; past the last block the result is never used.
+        compute_s(s_next, j + 1);
+      } else {
+        compute_s(s_cur, j);
+      }
+      softmax(s_cur, j);
+      accumulate_pv(s_cur, j);
+      if constexpr (kLead) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s_cur[mt][n][i] = s_next[mt][n][i];
       }
     }
   }

@@ -27,6 +27,9 @@ struct FwdConfig {
   static constexpr int kThreads = kWarps * 32;
   // Q fragments stay in registers only where they fit beside S and O.
   static constexpr bool kQInRegs = kHeadDim <= 128;
+  // K one key block ahead of V: S of the next block is computed beside the softmax of this one
+  // (two S accumulators, which fit where one m16 tile per warp leaves room).
+  static constexpr bool kKLead = kWarpRows == 16;
   // Unrolled tile loads: +16% at H = 128 (docs/PERF.md), but spills at the other sizes.
   static constexpr bool kUnrollLoads = kHeadDim == 96;
   using QTile = SmemTile<kBlockM, kHeadDim>;
