@@ -1,6 +1,7 @@
 """jax_flash: FlashAttention for JAX, with CUDA kernels and a pure-JAX blockwise path."""
 
 from jax_flash.attention import attention
+from jax_flash.ring import ring_attention, unzigzag, zigzag
 
-__all__ = ["attention"]
+__all__ = ["attention", "ring_attention", "unzigzag", "zigzag"]
 __version__ = "0.1.0"

@@ -66,6 +66,16 @@ def attention(call: Call) -> tuple[jax.Array, jax.Array]:
     return out[..., :head_dim], lse
 
 
+def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv) of a call from the kernels' backward, given an output and lse [B, T, N] that
+    need not be this call's own: ring attention passes the final ones of the whole sequence."""
+    head_dim = call.query.shape[-1]
+    padded = kernel_head_dim(head_dim)
+    q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))
+    grads = _flash_bwd(call.config, (q, k, v, out, lse.transpose(0, 2, 1)), (d_out, d_lse))
+    return tuple(g[..., :head_dim] for g in grads)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(config: AttentionConfig, q, k, v):
     return _flash_fwd(config, q, k, v)[0]

@@ -187,8 +187,10 @@ def _forward_q_block(cfg, plan, ops, iq):
                         preferred_element_type=acc)  # fmt: skip
         return m_new, rescale * l + p.sum(-1), rescale[..., None] * o + pv
 
-    shape = (b, kv_heads, g, plan.block_q)
-    init = (jnp.full(shape, -jnp.inf, acc), jnp.zeros(shape, acc), jnp.zeros(shape + (h,), acc))
+    # *_like, not zeros: the carries then take q's sharding and, inside shard_map, its varying
+    # manual axes, which the loop's outputs have.
+    o0 = jnp.zeros_like(q_block, acc).transpose(0, 2, 3, 1, 4)  # [B, K, G, bq, H]
+    init = (o0[..., 0] - jnp.inf, o0[..., 0], o0)
     lo, hi = _key_block_range(cfg, plan, iq)
     m, l, o = lax.fori_loop(lo, hi, step, init)
     empty = l == 0  # fully masked rows: output 0, log-sum-exp -inf

@@ -49,3 +49,21 @@ def test_sharded_call_has_no_collectives(axis_type, spec):
     for mine, ref in zip(grad(*placed), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)):
         assert mine.sharding.is_equivalent_to(sharding, mine.ndim)
         np.testing.assert_allclose(mine, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_inside_shard_map():
+    """Called per device inside shard_map (as ring attention and hand-sharded models do), the xla
+    path's loop carries must carry the varying mesh axes of their inputs."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices("cpu")[:8])
+    q, k, v = qkv(rng_for("shard_map"), jnp.float32, 8, 40, 40, 4, 2, 16)
+    spec = P("data")
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:  # older jax
+        from jax.experimental.shard_map import shard_map
+    attn = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation="xla")  # noqa: E731
+    per_device = shard_map(attn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    np.testing.assert_allclose(jax.jit(per_device)(q, k, v), attn(q, k, v), rtol=1e-5, atol=1e-6)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) ** 2)  # noqa: E731
+    for mine, ref in zip(jax.jit(jax.grad(loss(per_device), argnums=(0, 1, 2)))(q, k, v),
+                         jax.grad(loss(attn), argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(mine, ref, rtol=1e-4, atol=1e-5)
