@@ -8,7 +8,7 @@ import jax
 from jax.typing import ArrayLike
 
 from jax_flash import cuda_impl, xla_impl
-from jax_flash._validation import validate
+from jax_flash._validation import Call, validate
 
 
 @overload
@@ -105,21 +105,18 @@ def attention(
         implementation=implementation, return_residual=return_residual, softcap=softcap,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
     )  # fmt: skip
-    match implementation:
-        case "xla":
-            out, lse = xla_impl.attention(call)
-        case "cuda":
-            reason = cuda_impl.unsupported_reason(call)
-            if reason is not None:
-                raise ValueError(f"implementation='cuda' cannot run this call: {reason}")
-            out, lse = cuda_impl.attention(call)
-        case None:
-            if cuda_impl.unsupported_reason(call) is None:
-                out, lse = cuda_impl.attention(call)
-            else:
-                out, lse = xla_impl.attention(call)
-        case _:  # validate() has already rejected anything else
-            raise AssertionError(implementation)
+    out, lse = cuda_impl.attention(call) if uses_cuda(call, implementation) else xla_impl.attention(call)
     if not call.batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residual else out
+
+
+def uses_cuda(call: Call, implementation: str | None) -> bool:
+    """Whether a validated call runs on the CUDA kernels (`None`: wherever they support it);
+    `implementation="cuda"` raises a `ValueError` naming what they cannot do."""
+    if implementation == "xla":
+        return False
+    reason = cuda_impl.unsupported_reason(call)
+    if implementation == "cuda" and reason is not None:
+        raise ValueError(f"implementation='cuda' cannot run this call: {reason}")
+    return reason is None

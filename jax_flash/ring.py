@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import cuda_impl, xla_impl
-from jax_flash._validation import validate
+from jax_flash._validation import Call, validate
+from jax_flash.attention import uses_cuda
 
 
 def zigzag(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
@@ -85,11 +86,7 @@ def ring_attention(
             "causal ring_attention needs equal, even query and key slice lengths (zigzag layout); "
             f"got T={query.shape[1]}, S={key.shape[1]}"
         )
-    # Validates dtypes, shapes, scale and implementation the way jax_flash.attention does.
-    validate(query, key, value, None, None, scale=scale, is_causal=is_causal,
-             query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-             implementation=implementation, return_residual=True, softcap=None,
-             q_segment_ids=None, kv_segment_ids=None)  # fmt: skip
+    _validate(query, key, value, is_causal, scale, implementation)  # as jax_flash.attention does
     static = _Static(axis_name, _axis_size(axis_name), is_causal, scale, implementation)
     return _ring(static, query, key, value)
 
@@ -103,30 +100,26 @@ def _axis_size(axis_name: str) -> int:
 # ---- one block pair ------------------------------------------------------------------------
 
 
-def _call(static: _Static, q, k, v, causal: bool):
-    return validate(q, k, v, None, None, scale=static.scale, is_causal=causal,
-                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                    implementation=static.implementation, return_residual=True, softcap=None,
+def _validate(q, k, v, causal: bool, scale, implementation) -> Call:
+    return validate(q, k, v, None, None, scale=scale, is_causal=causal, query_seq_lengths=None,
+                    key_value_seq_lengths=None, local_window_size=None,
+                    implementation=implementation, return_residual=True, softcap=None,
                     q_segment_ids=None, kv_segment_ids=None)  # fmt: skip
-
-
-def _uses_cuda(static: _Static, call) -> bool:
-    return static.implementation != "xla" and cuda_impl.unsupported_reason(call) is None
 
 
 def _block_forward(static: _Static, q, k, v, causal: bool):
     """(out, lse [B, T, N]) of q against one key/value block."""
-    call = _call(static, q, k, v, causal)
-    if static.implementation == "cuda" and not _uses_cuda(static, call):
-        raise ValueError(f"implementation='cuda' cannot run this call: {cuda_impl.unsupported_reason(call)}")
-    return cuda_impl.attention(call) if _uses_cuda(static, call) else xla_impl.attention(call)
+    call = _validate(q, k, v, causal, static.scale, static.implementation)
+    if uses_cuda(call, static.implementation):
+        return cuda_impl.attention(call)
+    return xla_impl.attention(call)
 
 
 def _block_backward(static: _Static, q, k, v, causal: bool, out, lse, d_out):
     """One block's share of (dq, dk, dv), from the final out and lse of q's rows."""
-    call = _call(static, q, k, v, causal)
+    call = _validate(q, k, v, causal, static.scale, static.implementation)
     d_lse = jnp.zeros_like(lse)
-    if _uses_cuda(static, call):
+    if uses_cuda(call, static.implementation):
         return cuda_impl.backward(call, out, lse, d_out, d_lse)
     return xla_impl.backward(call, out, lse, d_out, d_lse)[:3]
 
