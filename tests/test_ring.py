@@ -34,8 +34,8 @@ def _ring_fn(mesh, is_causal):
     return shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
 
 
-@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+# Two cases rather than the full product: each compiles a 4-step ring forward and backward.
+@pytest.mark.parametrize("is_causal, heads", [(False, (4, 4)), (True, (4, 2))], ids=["full-mha", "causal-gqa"])
 def test_ring_matches_single_device(is_causal, heads):
     n, kv_heads = heads
     mesh = _mesh()
