@@ -125,7 +125,7 @@ def _block_backward(static: _Static, q, k, v, causal: bool, out, lse, d_out):
 
 
 def _merge(out, lse, block_out, block_lse):
-    """Two partial softmax results of the same rows as one, in float32."""
+    """Two partial softmax results of the same rows as one, in the accumulation dtype of `out`."""
     merged = jnp.logaddexp(lse, block_lse)
     safe = jnp.where(jnp.isneginf(merged), 0.0, merged)  # rows that see nothing yet stay 0
     w, w_block = jnp.exp(lse - safe), jnp.exp(block_lse - safe)

@@ -111,15 +111,6 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-// Returns x through an opaque move. Shared-memory base addresses passed through this at the top
-// of a main loop keep the compiler from hoisting every swizzled fragment address out of the loop
-// (dozens of registers that the accumulators need); recomputing them costs a few integer ops.
-__device__ __forceinline__ uint32_t opaque(uint32_t x) {
-  uint32_t y;
-  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-
 // dst[0..1] += (a, b) in global memory, without a return value: one red.v2 on sm_90, two red
 // elsewhere. dst must be 8-byte aligned.
 __device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
