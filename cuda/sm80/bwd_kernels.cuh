@@ -4,12 +4,13 @@
 //    returned log-sum-exp, whose derivative is P), and zeroes the fp32 dQ accumulator
 //    (XLA hands us uninitialised output buffers).
 // 2. bwd_dkdv_kernel: one CTA per (key block, batch, kv head) keeps its 128 keys' dK and dV in
-//    registers while it walks every query block (64 rows, 128 where H <= 64) of every query head
-//    of the GQA group, so dK/dV of a group are summed without atomics and written once. Per step:
-//    S and dP, then P and dS go to shared memory, where dV += P^T dO, dK += dS^T Q and dQ = dS K
-//    each read them with their own warp grid (traits.cuh). dQ needs the contributions of every key block, so each CTA adds
-//    its share into the fp32 accumulator with atomics: the separate-kernel alternative would
-//    compute S and dP a second time (7 products instead of 5).
+//    registers while it walks every query block (64 rows, 128 where H <= 64) of every query
+//    head of the GQA group, so dK/dV of a group are summed without atomics and written once.
+//    Per step: S and dP, then P and dS go to shared memory, where dV += P^T dO, dK += dS^T Q
+//    and dQ = dS K each read them with their own warp grid (traits.cuh). dQ needs the
+//    contributions of every key block, so each CTA adds its share into the fp32 accumulator
+//    with atomics: the separate-kernel alternative would compute S and dP a second time (7
+//    products instead of 5).
 #pragma once
 
 #include <cmath>
