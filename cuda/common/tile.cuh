@@ -58,10 +58,12 @@ struct ChunkWalk {
 //
 // When the threads cover whole rows and step a multiple of 8 rows per pass, every pass of a
 // thread keeps its chunk and swizzle: one address pair is computed and the passes add constants
-// (cheap in instructions and registers). Otherwise each pass computes its own addresses; unrolled,
-// the compiler hoists all of them out of the caller's main loop into registers: faster where the
-// accumulators leave room (kUnroll), spills where not.
-template <typename Tile, int kThreads, bool kUnroll, typename T>
+// (cheap in instructions and registers); with kWholeTilePath a whole tile also skips the per-row
+// predicates (fewer instructions, a few more registers: the backward spills with it). Otherwise
+// each pass computes its own addresses; unrolled, the compiler hoists all of them out of the
+// caller's main loop into registers: faster where the accumulators leave room (kUnroll), spills
+// where not.
+template <typename Tile, int kThreads, bool kUnroll, bool kWholeTilePath = false, typename T>
 __device__ __forceinline__ void load_tile_async(uint32_t smem, const T* gmem, int64_t row_stride,
                                                 int rows_valid, int tid) {
   constexpr int kRowsPerPass = kThreads / Tile::kChunks;
@@ -71,11 +73,22 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem, const T* gmem, in
     const uint32_t dst = smem + Tile::offset(row0, chunk);
     const T* src = gmem + row0 * row_stride + chunk * 8;
     const int64_t pass_stride = kRowsPerPass * row_stride;
+    constexpr int kPasses = Tile::kRows / kRowsPerPass;
+    // Row + 8k keeps the swizzle, so the shared-memory offset grows by whole rows of chunks.
+    constexpr int kPassBytes = kRowsPerPass * Tile::kPanelChunks * 16;
+    if (kWholeTilePath && rows_valid >= Tile::kRows) {
+      // Whole tile (every tile but a sequence's last): no per-row predicate and address select,
+      // three of the four instructions per copy.
 #pragma unroll
-    for (int pass = 0; pass < Tile::kRows / kRowsPerPass; ++pass, src += pass_stride) {
-      const bool valid = row0 + pass * kRowsPerPass < rows_valid;
-      // Row + 8k keeps the swizzle, so the shared-memory offset grows by whole rows of chunks.
-      ptx::cp_async_16(dst + pass * kRowsPerPass * Tile::kPanelChunks * 16, valid ? src : gmem, valid);
+      for (int pass = 0; pass < kPasses; ++pass, src += pass_stride) {
+        ptx::cp_async_16(dst + pass * kPassBytes, src, true);
+      }
+    } else {
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass, src += pass_stride) {
+        const bool valid = row0 + pass * kRowsPerPass < rows_valid;
+        ptx::cp_async_16(dst + pass * kPassBytes, valid ? src : gmem, valid);
+      }
     }
   } else {
     constexpr int kTotal = Tile::kRows * Tile::kChunks;

@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
     const uint32_t sK0 = sQ + QTile::kBytes;  // K of stage 0; V follows K in each stage
     auto load_block = [&](const T* g, int j, uint32_t extra) {
       const int k_first = (n_end - 1 - j) * kBlockN;
-      load_tile_async<KTile, Cfg::kThreads, Cfg::kUnrollLoads>(
+      load_tile_async<KTile, Cfg::kThreads, Cfg::kUnrollLoads, true>(
           sK0 + (j % 2) * Cfg::kStageBytes + extra, g + int64_t(k_first) * kv_row_stride, kv_row_stride,
           p.seqlen_k - k_first, tid);
     };
@@ -218,7 +218,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
       if constexpr (Cfg::kQInRegs) load_q_frags();
       compute_s(s_cur, 0);
     }
-    for (int j = 0; j < blocks; ++j) {
+    // One key block: s_this holds S of block j (with kLead; otherwise it is computed here),
+    // s_following receives S of block j + 1.
+    auto iteration = [&](float (&s_this)[kMTiles][kNTiles][4], float (&s_following)[kMTiles][kNTiles][4],
+                         int j) {
       ptx::cp_async_wait<0>();  // K_{j+lead} and V_j (and Q) have landed
       // The one barrier per key block: the tiles are visible to every warp, and every warp is
       // done with the stage buffers that the loads below refill.
@@ -230,20 +233,22 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
       if constexpr (kLead) {
         // Unconditional, so that these mma.sync and the softmax below form one basic block the
         // compiler can interleave; past the last block the result is never used.
-        compute_s(s_next, j + 1);
+        compute_s(s_following, j + 1);
       } else {
-        compute_s(s_cur, j);
+        compute_s(s_this, j);
       }
-      softmax(s_cur, j);
-      accumulate_pv(s_cur, j);
-      if constexpr (kLead) {
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-          for (int n = 0; n < kNTiles; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) s_cur[mt][n][i] = s_next[mt][n][i];
+      softmax(s_this, j);
+      accumulate_pv(s_this, j);
+    };
+    if constexpr (kLead) {
+      // Two blocks per trip, the S buffers swapping roles, so that no register moves copy S.
+      for (int j = 0; j < blocks; j += 2) {
+        iteration(s_cur, s_next, j);
+        if (j + 1 == blocks) break;
+        iteration(s_next, s_cur, j + 1);
       }
+    } else {
+      for (int j = 0; j < blocks; ++j) iteration(s_cur, s_cur, j);
     }
   }
 
