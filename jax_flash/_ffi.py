@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -57,11 +58,25 @@ def _window_attrs(config) -> dict:
     )
 
 
+# Which forward kernels a call may use (read when a call is traced): "best" (the Hopper kernel on
+# sm_90, the mma.sync kernel elsewhere) or "sm80" (the mma.sync kernel everywhere, so that it stays
+# tested on Hopper).
+KERNELS_ENV = "JAX_FLASH_KERNELS"
+_KERNEL_FAMILIES = {"best": 0, "sm80": 80}
+
+
+def kernel_family() -> int:
+    name = os.environ.get(KERNELS_ENV, "best")
+    if name not in _KERNEL_FAMILIES:
+        raise ValueError(f"{KERNELS_ENV} must be one of {sorted(_KERNEL_FAMILIES)}, got {name!r}")
+    return _KERNEL_FAMILIES[name]
+
+
 def forward(config, q, k, v):
     """(out [B, T, N, H], lse [B, N, T] float32) from the forward kernel; under vmap, one call
     with the mapped axis folded into the batch or the heads (_batching.py)."""
     register_targets()
-    attrs = _window_attrs(config)
+    attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()))
 
     def run(q, k, v):
         b, t, n, _ = q.shape

@@ -78,7 +78,7 @@ ffi::Error launch_status(cudaError_t status, const char* what) {
 
 ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                    float scale, int32_t window_left, int32_t window_right) {
+                    float scale, int32_t window_left, int32_t window_right, int32_t kernels) {
   FwdParams p{};
   DType dtype;
   if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p); e.failure()) return e;
@@ -89,7 +89,11 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   }
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
-  return launch_status(run_fwd(dtype, p, stream), "forward");
+  if (kernels != int32_t(KernelFamily::kBest) && kernels != int32_t(KernelFamily::kSm80)) {
+    return ffi::Error::InvalidArgument("jax_flash: kernels must be 0 (best) or 80 (sm80 only), got " +
+                                       std::to_string(kernels));
+  }
+  return launch_status(run_fwd(dtype, p, KernelFamily(kernels), stream), "forward");
 }
 
 ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -130,7 +134,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_fwd_handler, jax_flash::fwd_impl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [B, N, T]
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right"),
+                                  .Attr<int32_t>("window_right")
+                                  .Attr<int32_t>("kernels"),  // KernelFamily
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl,

@@ -22,10 +22,32 @@ cudaError_t by_head_dim(int head_dim, Fn&& fn) {
   }
 }
 
+// True on a Hopper GPU (sm_90) when the module holds sm_90a code (JAX_FLASH_CUDA_ARCHS has 90a).
+bool use_sm90(KernelFamily family) {
+#if defined(JAX_FLASH_HAS_SM90A)
+  if (family != KernelFamily::kBest) return false;
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return false;
+  }
+  return major == 9 && minor == 0;
+#else
+  (void)family;
+  return false;
+#endif
+}
+
 template <typename T>
-cudaError_t fwd_for(const FwdParams& p, cudaStream_t stream) {
-  return by_head_dim(p.head_dim, [&](auto d) {
-    return run_fwd_sm80<T, decltype(d)::value>(p, stream);
+cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
+  const bool sm90 = use_sm90(family) && fwd_sm90_supports_head_dim(p.head_dim);
+  return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
+    constexpr int kHeadDim = decltype(d)::value;
+    if constexpr (fwd_sm90_supports_head_dim(kHeadDim)) {
+      if (sm90) return run_fwd_sm90<T, kHeadDim>(p, stream);
+    }
+    return run_fwd_sm80<T, kHeadDim>(p, stream);
   });
 }
 
@@ -43,8 +65,8 @@ cudaError_t bwd_for(const BwdParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t run_fwd(DType dtype, const FwdParams& p, cudaStream_t stream) {
-  return dtype == DType::kFloat16 ? fwd_for<__half>(p, stream) : fwd_for<__nv_bfloat16>(p, stream);
+cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, cudaStream_t stream) {
+  return dtype == DType::kFloat16 ? fwd_for<__half>(p, family, stream) : fwd_for<__nv_bfloat16>(p, family, stream);
 }
 
 cudaError_t run_bwd(DType dtype, const BwdParams& p, cudaStream_t stream) {

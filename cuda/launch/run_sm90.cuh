@@ -1,0 +1,35 @@
+// Launcher of the sm90 forward for one (element type, head dim): tensor maps, grid, stream.
+// No synchronisation and no allocation: it runs inside XLA's stream (and CUDA graphs).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/params.h"
+#include "launch/tensor_map.h"
+#include "sm90/fwd_kernel.cuh"
+
+namespace jax_flash {
+
+template <typename T, int kHeadDim>
+cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = sm90::FwdConfig<T, kHeadDim>;
+  sm90::FwdTensorMaps maps;
+  for (cudaError_t e : {
+           make_tensor_map_bthd(&maps.q, p.q, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
+           make_tensor_map_bthd(&maps.k, p.k, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
+           make_tensor_map_bthd(&maps.v, p.v, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
+           make_tensor_map_bthd(&maps.o, p.o, p.batch, p.seqlen_q, p.heads, kHeadDim, 64),
+       }) {
+    if (e != cudaSuccess) return e;
+  }
+  auto kernel = sm90::fwd_kernel<Cfg>;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+      e != cudaSuccess) {
+    return e;
+  }
+  const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.batch * p.heads);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_flash

@@ -1,0 +1,43 @@
+// cuTensorMapEncodeTiled is a driver API function: reached through the runtime's entry-point query
+// so that the module links only the (static) runtime, not libcuda.
+#include "launch/tensor_map.h"
+
+#include <cudaTypedefs.h>
+
+namespace jax_flash {
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      ptr = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+cudaError_t make_tensor_map_bthd(CUtensorMap* map, const void* data, int batch, int rows, int heads,
+                                 int head_dim, int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  constexpr cuuint64_t kElem = 2;
+  // Innermost dimension first: column, head, row, batch.
+  const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(heads), cuuint64_t(rows), cuuint64_t(batch)};
+  const cuuint64_t strides[3] = {head_dim * kElem, cuuint64_t(heads) * head_dim * kElem,
+                                 cuuint64_t(rows) * heads * head_dim * kElem};
+  const cuuint32_t box[4] = {64, 1, cuuint32_t(box_rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult status = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(data), dims, strides,
+                                 box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return status == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+}  // namespace jax_flash

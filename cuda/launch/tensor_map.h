@@ -1,0 +1,15 @@
+// Tensor maps (the descriptors of TMA copies) for the [B, T, N, H] tensors of an attention call.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+namespace jax_flash {
+
+// A 4-d view [batch, rows, heads, head_dim] of a contiguous 16-bit tensor, copied in boxes of
+// `box_rows` rows x 64 columns of one head, with the 128-byte shared-memory swizzle. Rows past
+// the end read as zeros and are not written. cudaErrorInvalidValue when the driver refuses it.
+cudaError_t make_tensor_map_bthd(CUtensorMap* map, const void* data, int batch, int rows, int heads,
+                                 int head_dim, int box_rows);
+
+}  // namespace jax_flash

@@ -1,0 +1,270 @@
+// FlashAttention forward on Hopper (sm_90a): TMA, mbarriers, wgmma, warp specialisation.
+//
+// A CTA computes kBlockM = 128 query rows of one head with three warp groups. Warp group 0 is the
+// producer: one thread issues bulk tensor copies (TMA) of Q once and of K and V per key block into
+// kStages shared-memory stages, each completing on a "full" mbarrier; it gives most of its
+// registers to the consumers (setmaxnreg). Warp groups 1 and 2 are consumers of 64 rows each:
+// S = Q K^T by wgmma with both operands in shared memory, the online softmax on the accumulators in
+// registers (the same per-thread layout as mma.sync, so rows stay inside a quad), then O += P V by
+// wgmma with P from registers; each releases a stage through its "empty" mbarriers. Key blocks are
+// visited from the last one down, so that the blocks needing the band mask come first.
+//
+// Shared-memory tiles are the layout TMA writes with the 128-byte swizzle: 64-column panels of
+// 128-byte rows, which wgmma reads through descriptors (ptx_sm90.cuh).
+#pragma once
+
+#include <cuda.h>
+
+#include <cmath>
+
+#include "common/mask.cuh"
+#include "common/params.h"
+#include "common/ptx.cuh"
+#include "common/ptx_sm90.cuh"
+
+namespace jax_flash::sm90 {
+
+template <typename T_, int kHeadDim_>
+struct FwdConfig {
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "whole 64-column panels");
+  static constexpr int kConsumers = 2;  // warp groups of 64 query rows
+  static constexpr int kBlockM = 64 * kConsumers;
+  // S (64 x kBlockN fp32 per warp group) and O (64 x H) share a consumer's 232 registers.
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kPanels = kHeadDim / 64;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V tile
+  static constexpr int kBarrierBytes = 128;
+  // + 1024: the dynamic shared memory is aligned up to the 1024 bytes the swizzle repeats over.
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
+  // O is computed in chunks of at most 128 columns (one wgmma n128 each).
+  static constexpr int kOChunkCols = kHeadDim < 128 ? kHeadDim : 128;
+  static constexpr int kOChunks = kHeadDim / kOChunkCols;
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
+};
+
+// The tensor maps view q/k/v/o as 4-d [batch, row, head, column] (innermost last) with boxes of
+// 64 columns: Q and K/V boxes are a whole tile's rows, O boxes 64 rows (one warp group's).
+struct FwdTensorMaps {
+  CUtensorMap q, k, v, o;
+};
+
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    fwd_kernel(const __grid_constant__ FwdTensorMaps maps, const FwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = typename Cfg::T;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  constexpr int kStages = Cfg::kStages;
+  constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  extern __shared__ char smem[];
+  const uint32_t sQ = (ptx::smem_addr(smem) + 1023) & ~1023u;
+  auto sK = [&](int stage) { return sQ + Cfg::kQBytes + stage * Cfg::kKVBytes; };
+  auto sV = [&](int stage) { return sQ + Cfg::kQBytes + (kStages + stage) * Cfg::kKVBytes; };
+  const uint32_t bars = sQ + Cfg::kQBytes + 2 * kStages * Cfg::kKVBytes;
+  const uint32_t q_full = bars;
+  auto k_full = [&](int stage) { return bars + 8 * (1 + stage); };
+  auto v_full = [&](int stage) { return bars + 8 * (1 + kStages + stage); };
+  auto k_empty = [&](int stage) { return bars + 8 * (1 + 2 * kStages + stage); };
+  auto v_empty = [&](int stage) { return bars + 8 * (1 + 3 * kStages + stage); };
+  static_assert(8 * (1 + 4 * kStages) <= Cfg::kBarrierBytes, "barrier space");
+
+  // Longest rows first: with a causal band the last query blocks have the most keys.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int batch = blockIdx.y / p.heads, head = blockIdx.y % p.heads;
+  const int kv_head = head / (p.heads / p.kv_heads);
+  const int q_first = m_block * kBlockM;
+  const int rows_valid = min(kBlockM, p.seqlen_q - q_first);
+  const Band band = Band::from(p);
+  const int n_begin = band.key_begin(q_first) / kBlockN;
+  const int n_end = (band.key_end(q_first + rows_valid - 1) + kBlockN - 1) / kBlockN;
+  const int blocks = max(0, n_end - n_begin);
+  auto block_key_first = [&](int j) { return (n_end - 1 - j) * kBlockN; };
+
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(k_full(s), 1);
+      ptx::mbarrier_init(v_full(s), 1);
+      ptx::mbarrier_init(k_empty(s), kConsumerThreads);
+      ptx::mbarrier_init(v_empty(s), kConsumerThreads);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warp_group = threadIdx.x / 128;
+  if (warp_group == 0) {
+    // Producer. The n-th use of a stage waits for the consumers' release of use n - 1.
+    ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (threadIdx.x == 0 && blocks > 0) {
+      ptx::mbarrier_arrive_expect_tx(q_full, Cfg::kQBytes);
+      for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+        ptx::tma_load_4d(sQ + panel * kBlockM * 128, &maps.q, q_full, panel * 64, head, q_first, batch);
+      }
+      for (int j = 0; j < blocks; ++j) {
+        const int stage = j % kStages, use = j / kStages;
+        const int k_first = block_key_first(j);
+        if (use > 0) ptx::mbarrier_wait(k_empty(stage), (use - 1) & 1);
+        ptx::mbarrier_arrive_expect_tx(k_full(stage), Cfg::kKVBytes);
+        for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+          ptx::tma_load_4d(sK(stage) + panel * kBlockN * 128, &maps.k, k_full(stage), panel * 64, kv_head,
+                           k_first, batch);
+        }
+        if (use > 0) ptx::mbarrier_wait(v_empty(stage), (use - 1) & 1);
+        ptx::mbarrier_arrive_expect_tx(v_full(stage), Cfg::kKVBytes);
+        for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+          ptx::tma_load_4d(sV(stage) + panel * kBlockN * 128, &maps.v, v_full(stage), panel * 64, kv_head,
+                           k_first, batch);
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumers.
+  ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int consumer = warp_group - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  // This thread's rows of the tile (the accumulator layout): row_in_tile(r), r = 0, 1.
+  auto row_in_tile = [&](int r) { return consumer * 64 + warp * 16 + r * 8 + lane / 4; };
+  constexpr int kSRegs = kBlockN / 2;  // S accumulators: [n8 tile][4]
+  constexpr int kORegs = Cfg::kOChunkCols / 2;
+  float o[Cfg::kOChunks][kORegs];
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};  // row_sum: this thread's columns
+#pragma unroll
+  for (int c = 0; c < Cfg::kOChunks; ++c)
+#pragma unroll
+    for (int i = 0; i < kORegs; ++i) o[c][i] = 0.f;
+
+  if (blocks > 0) ptx::mbarrier_wait(q_full, 0);
+  const float scale_log2 = p.scale * kLog2e;
+  for (int j = 0; j < blocks; ++j) {
+    const int stage = j % kStages;
+    const uint32_t parity = (j / kStages) & 1;
+    const int k_first = block_key_first(j);
+
+    // S = Q K^T: k16 steps along the head dim, 4 per 64-column panel (32 bytes each).
+    float s[kSRegs];
+    ptx::mbarrier_wait(k_full(stage), parity);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const uint64_t desc_q =
+          ptx::smem_desc_sw128(sQ + (ks / 4) * kBlockM * 128 + consumer * 64 * 128 + (ks % 4) * 32, 0);
+      const uint64_t desc_k = ptx::smem_desc_sw128(sK(stage) + (ks / 4) * kBlockN * 128 + (ks % 4) * 32, 0);
+      ptx::wgmma_ss(s, desc_q, desc_k, ks > 0, T{});
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::fence_registers(s);
+    ptx::mbarrier_arrive(k_empty(stage));
+
+    // Band mask (only blocks that straddle the band or the end of the keys), online softmax.
+    if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
+#pragma unroll
+      for (int i = 0; i < kSRegs; ++i) {
+        const int q = q_first + row_in_tile((i % 4) / 2);
+        const int k = k_first + (i / 4) * 8 + (lane % 4) * 2 + i % 2;
+        if (!band.visible(q, k)) s[i] = -INFINITY;
+      }
+    }
+    float rescale[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float block_max = row_max[r];
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n) block_max = fmaxf(block_max, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
+      // A row that has seen nothing visible keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
+      const float shift = block_max == -INFINITY ? 0.f : block_max * scale_log2;
+      rescale[r] = ptx::exp2(row_max[r] * scale_log2 - shift);
+      row_max[r] = block_max;
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& x = s[4 * n + 2 * r + c];
+          x = ptx::exp2(x * scale_log2 - shift);
+          sum += x;
+        }
+      row_sum[r] = row_sum[r] * rescale[r] + sum;
+    }
+#pragma unroll
+    for (int c = 0; c < Cfg::kOChunks; ++c)
+#pragma unroll
+      for (int i = 0; i < kORegs; ++i) o[c][i] *= rescale[(i % 4) / 2];
+    // P as the A fragments of the k16 steps over this block's keys (n8 tiles 2kk and 2kk + 1:
+    // the accumulator and A layouts agree thread for thread).
+    uint32_t pa[kBlockN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pa[kk][i] = ptx::pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+
+    // O += P V: V is MN-major for this product (keys are K, head-dim columns N): 16 keys a step
+    // (2048 bytes of a panel), 64-column panels kBlockN * 128 bytes apart.
+    ptx::mbarrier_wait(v_full(stage), parity);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+      for (int c = 0; c < Cfg::kOChunks; ++c) {
+        const uint64_t desc_v =
+            ptx::smem_desc_sw128(sV(stage) + c * (Cfg::kOChunkCols / 64) * kBlockN * 128 + kk * 2048, kBlockN * 128);
+        ptx::wgmma_rs(o[c], pa[kk], desc_v, T{});
+      }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+#pragma unroll
+    for (int c = 0; c < Cfg::kOChunks; ++c) ptx::fence_registers(o[c]);
+    ptx::mbarrier_arrive(v_empty(stage));
+  }
+
+  // Epilogue: normalise, write this warp group's 64 rows into its rows of the Q tile (same
+  // swizzled layout), then one thread stores them with TMA, which clips rows past the sequence.
+  float* gLse = p.lse + (int64_t(batch) * p.heads + head) * p.seqlen_q + q_first;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_in_tile(r);
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    const bool empty = sum == 0.f;  // nothing visible: output 0, lse -inf
+    const float inv = empty ? 0.f : 1.f / sum;
+#pragma unroll
+    for (int c = 0; c < Cfg::kOChunks; ++c)
+#pragma unroll
+      for (int n = 0; n < Cfg::kOChunkCols / 8; ++n) {
+        const int chunk = c * (Cfg::kOChunkCols / 8) + n;  // 16-byte chunk of the row
+        const uint32_t addr = sQ + (chunk / 8) * kBlockM * 128 + row * 128 + ((chunk % 8) ^ (row % 8)) * 16 +
+                              (lane % 4) * 4;
+        ptx::st_shared_b32(addr, ptx::pack2<T>(o[c][4 * n + 2 * r] * inv, o[c][4 * n + 2 * r + 1] * inv));
+      }
+    if (lane % 4 == 0 && row < rows_valid) {
+      gLse[row] = empty ? -INFINITY : row_max[r] * p.scale + logf(sum);
+    }
+  }
+  ptx::fence_proxy_async_shared();
+  ptx::named_barrier_sync(1 + consumer, 128);
+  if (tid == 0) {
+    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+      ptx::tma_store_4d(&maps.o, sQ + panel * kBlockM * 128 + consumer * 64 * 128, panel * 64, head,
+                        q_first + consumer * 64, batch);
+    }
+    ptx::tma_store_commit();
+    ptx::tma_store_wait_read();
+  }
+#endif
+}
+
+}  // namespace jax_flash::sm90
