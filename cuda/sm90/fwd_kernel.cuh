@@ -144,16 +144,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < kORegs; ++i) o[c][i] = 0.f;
 
-  if (blocks > 0) ptx::mbarrier_wait(q_full, 0);
   const float scale_log2 = p.scale * kLog2e;
-  for (int j = 0; j < blocks; ++j) {
-    const int stage = j % kStages;
-    const uint32_t parity = (j / kStages) & 1;
-    const int k_first = block_key_first(j);
 
-    // S = Q K^T: k16 steps along the head dim, 4 per 64-column panel (32 bytes each).
-    float s[kSRegs];
-    ptx::mbarrier_wait(k_full(stage), parity);
+  // S = Q K_j^T issued (not waited for): k16 steps along the head dim, 4 per 64-column panel
+  // (32 bytes each).
+  auto issue_s = [&](float (&s)[kSRegs], int j) {
+    const int stage = j % kStages;
+    ptx::mbarrier_wait(k_full(stage), (j / kStages) & 1);
     ptx::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
@@ -163,11 +160,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::wgmma_ss(s, desc_q, desc_k, ks > 0, T{});
     }
     ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-    ptx::fence_registers(s);
-    ptx::mbarrier_arrive(k_empty(stage));
-
-    // Band mask (only blocks that straddle the band or the end of the keys), online softmax.
+  };
+  // O += P V_j issued. V is MN-major for this product (keys are K, head-dim columns N): 16 keys a
+  // step (2048 bytes of a panel), 64-column panels kBlockN * 128 bytes apart.
+  auto issue_pv = [&](const uint32_t (&pa)[kBlockN / 16][4], int j) {
+    const int stage = j % kStages;
+    ptx::mbarrier_wait(v_full(stage), (j / kStages) & 1);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+      for (int c = 0; c < Cfg::kOChunks; ++c) {
+        const uint64_t desc_v =
+            ptx::smem_desc_sw128(sV(stage) + c * (Cfg::kOChunkCols / 64) * kBlockN * 128 + kk * 2048, kBlockN * 128);
+        ptx::wgmma_rs(o[c], pa[kk], desc_v, T{});
+      }
+    ptx::wgmma_commit();
+  };
+  // Band mask (only blocks that straddle the band or the end of the keys), then the online softmax
+  // of block j: S becomes exp2(S - max) in place; returns the factor O must be scaled by.
+  auto softmax = [&](float (&s)[kSRegs], int j, float (&rescale)[2]) {
+    const int k_first = block_key_first(j);
     if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i) {
@@ -176,7 +189,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if (!band.visible(q, k)) s[i] = -INFINITY;
       }
     }
-    float rescale[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float block_max = row_max[r];
@@ -199,35 +211,58 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       row_sum[r] = row_sum[r] * rescale[r] + sum;
     }
-#pragma unroll
-    for (int c = 0; c < Cfg::kOChunks; ++c)
-#pragma unroll
-      for (int i = 0; i < kORegs; ++i) o[c][i] *= rescale[(i % 4) / 2];
-    // P as the A fragments of the k16 steps over this block's keys (n8 tiles 2kk and 2kk + 1:
-    // the accumulator and A layouts agree thread for thread).
-    uint32_t pa[kBlockN / 16][4];
+  };
+  // P as the A fragments of the k16 steps over this block's keys (n8 tiles 2kk and 2kk + 1: the
+  // accumulator and A layouts agree thread for thread).
+  auto to_operand = [&](const float (&s)[kSRegs], uint32_t (&pa)[kBlockN / 16][4]) {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
 #pragma unroll
       for (int i = 0; i < 4; ++i) pa[kk][i] = ptx::pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
-
-    // O += P V: V is MN-major for this product (keys are K, head-dim columns N): 16 keys a step
-    // (2048 bytes of a panel), 64-column panels kBlockN * 128 bytes apart.
-    ptx::mbarrier_wait(v_full(stage), parity);
-    ptx::wgmma_fence();
+  };
+  auto rescale_o = [&](const float (&rescale)[2]) {
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
+    for (int c = 0; c < Cfg::kOChunks; ++c)
 #pragma unroll
-      for (int c = 0; c < Cfg::kOChunks; ++c) {
-        const uint64_t desc_v =
-            ptx::smem_desc_sw128(sV(stage) + c * (Cfg::kOChunkCols / 64) * kBlockN * 128 + kk * 2048, kBlockN * 128);
-        ptx::wgmma_rs(o[c], pa[kk], desc_v, T{});
-      }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
+      for (int i = 0; i < kORegs; ++i) o[c][i] *= rescale[(i % 4) / 2];
+  };
+  auto fence_o = [&] {
 #pragma unroll
     for (int c = 0; c < Cfg::kOChunks; ++c) ptx::fence_registers(o[c]);
-    ptx::mbarrier_arrive(v_empty(stage));
+  };
+
+  // Software pipeline inside the warp group (FlashAttention-3's intra-warpgroup overlap): while
+  // the tensor cores compute S_j and then P_{j-1} V_{j-1}, this warp group runs the softmax of
+  // block j. O is scaled for block j only after P_{j-1} V_{j-1} has landed in it.
+  if (blocks > 0) {
+    ptx::mbarrier_wait(q_full, 0);
+    float s[kSRegs], rescale[2];
+    uint32_t pa[kBlockN / 16][4];
+    issue_s(s, 0);
+    ptx::wgmma_wait<0>();
+    ptx::fence_registers(s);
+    ptx::mbarrier_arrive(k_empty(0));
+    softmax(s, 0, rescale);
+    to_operand(s, pa);
+    for (int j = 1; j < blocks; ++j) {
+      issue_s(s, j);
+      issue_pv(pa, j - 1);
+      ptx::wgmma_wait<1>();  // S_j is in; P_{j-1} V_{j-1} may still run
+      ptx::fence_registers(s);
+      ptx::mbarrier_arrive(k_empty(j % kStages));
+      softmax(s, j, rescale);
+      ptx::wgmma_wait<0>();
+      fence_o();
+      ptx::fence_registers(pa);  // read by that wgmma until now
+      ptx::mbarrier_arrive(v_empty((j - 1) % kStages));
+      rescale_o(rescale);
+      to_operand(s, pa);
+    }
+    issue_pv(pa, blocks - 1);
+    ptx::wgmma_wait<0>();
+    fence_o();
+    ptx::fence_registers(pa);
+    ptx::mbarrier_arrive(v_empty((blocks - 1) % kStages));
   }
 
   // Epilogue: normalise, write this warp group's 64 rows into its rows of the Q tile (same
