@@ -1,4 +1,5 @@
-"""Runs jax_flash forward and backward once on one benchmark shape, for a profiler to attach to:
+"""Runs jax_flash forward and backward once on one benchmark shape, for a profiler or
+compute-sanitizer to attach to:
 
     ncu --clock-control none -k regex:bwd_dkdv python scripts/profile_once.py --head-dim 128 --seqlen 4096
 
@@ -16,9 +17,10 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--head-dim", type=int, default=128)
 parser.add_argument("--seqlen", type=int, default=4096)
 parser.add_argument("--causal", action="store_true")
+parser.add_argument("--tokens", type=int, default=16384, help="batch x seqlen (rounded up)")
 args = parser.parse_args()
 
-dims = (16384 // args.seqlen, args.seqlen, 2048 // args.head_dim, args.head_dim)
+dims = (-(-args.tokens // args.seqlen), args.seqlen, 2048 // args.head_dim, args.head_dim)
 q, k, v, do = (jax.random.normal(key, dims, jnp.bfloat16) for key in jax.random.split(jax.random.key(0), 4))
 
 

@@ -234,19 +234,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Software pipeline inside the warp group (FlashAttention-3's intra-warpgroup overlap): while
   // the tensor cores compute S_j and then P_{j-1} V_{j-1}, this warp group runs the softmax of
   // block j. O is scaled for block j only after P_{j-1} V_{j-1} has landed in it.
+  // Ping-pong between the two consumers (FlashAttention-3's inter-warpgroup overlap): they take
+  // turns issuing their wgmma, so that one's softmax runs while the other's products occupy the
+  // tensor cores. Named barrier 3 + c opens consumer c's turn: c syncs on it (128 threads) and the
+  // other consumer arrives (128). Consumer 0 goes first.
+  static_assert(Cfg::kConsumers == 2, "the turn order is written for two consumers");
+  auto wait_turn = [&] { ptx::named_barrier_sync(3 + consumer, 256); };
+  auto pass_turn = [&] { ptx::named_barrier_arrive(3 + (1 - consumer), 256); };
+
   if (blocks > 0) {
     ptx::mbarrier_wait(q_full, 0);
     float s[kSRegs], rescale[2];
     uint32_t pa[kBlockN / 16][4];
+    if (consumer == 1) pass_turn();
+    wait_turn();
     issue_s(s, 0);
+    pass_turn();
     ptx::wgmma_wait<0>();
     ptx::fence_registers(s);
     ptx::mbarrier_arrive(k_empty(0));
     softmax(s, 0, rescale);
     to_operand(s, pa);
     for (int j = 1; j < blocks; ++j) {
+      wait_turn();
       issue_s(s, j);
       issue_pv(pa, j - 1);
+      pass_turn();
       ptx::wgmma_wait<1>();  // S_j is in; P_{j-1} V_{j-1} may still run
       ptx::fence_registers(s);
       ptx::mbarrier_arrive(k_empty(j % kStages));
@@ -258,7 +271,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       rescale_o(rescale);
       to_operand(s, pa);
     }
+    wait_turn();
     issue_pv(pa, blocks - 1);
+    // Consumer 1's last turn is the last of all: nobody waits for it to pass.
+    if (consumer == 0) pass_turn();
     ptx::wgmma_wait<0>();
     fence_o();
     ptx::fence_registers(pa);
