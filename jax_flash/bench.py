@@ -1,7 +1,8 @@
 """Benchmark: jax_flash against jax.nn.dot_product_attention (cuDNN and XLA) and, when it
 imports, FlashAttention-3's JAX binding, on the same inputs in one run.
 
-    python -m jax_flash.bench [--quick] [--plot out.png] [--head-dims 64 128] [--json out.json]
+    python -m jax_flash.bench [--quick] [--plot out.png] [--head-dims 64 128] [--seqlens 2048 4096]
+                              [--json out.json]
 
 The grid is the FlashAttention papers': 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / d), bf16. FLOPs: forward 4·b·h·s²·d, halved when causal; backward 2.5x the
@@ -39,16 +40,16 @@ class Shape:
         return 2.5 * f if backward else f
 
 
-def grid(on_gpu: bool, quick: bool, head_dims) -> list[Shape]:
+def grid(on_gpu: bool, quick: bool, head_dims, seqlens=None) -> list[Shape]:
     tokens, hidden = (16384, 2048) if on_gpu else (1024, 256)
-    if on_gpu:
+    if not seqlens and on_gpu:
         seqlens = (1024, 4096) if quick else (512, 1024, 2048, 4096, 8192, 16384)
-    else:
+    elif not seqlens:
         seqlens = (128, 256) if quick else (128, 256, 512)
     if not head_dims:
         head_dims = ((128,) if quick else (64, 128, 256)) if on_gpu else (64,)
     return [
-        Shape(d, s, causal, tokens // s, hidden // d)
+        Shape(d, s, causal, max(1, tokens // s), hidden // d)
         for d in head_dims for s in seqlens for causal in (False, True)
     ]  # fmt: skip
 
@@ -109,7 +110,7 @@ def run(args) -> list[dict]:
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     impls = implementations(on_gpu)
-    shapes = grid(on_gpu, args.quick, args.head_dims)
+    shapes = grid(on_gpu, args.quick, args.head_dims, args.seqlens)
     rows = []
     progress = _progress(len(shapes) * len(impls))
     for shape in shapes:
@@ -193,6 +194,7 @@ def main(argv=None) -> list[dict]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a short grid")
     parser.add_argument("--head-dims", type=int, nargs="+", help="head dims to run (GPU grid)")
+    parser.add_argument("--seqlens", type=int, nargs="+", help="sequence lengths to run")
     parser.add_argument("--plot", metavar="PNG", help="write TFLOP/s vs seqlen per implementation")
     parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     args = parser.parse_args(argv)

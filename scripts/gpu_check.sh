@@ -6,9 +6,9 @@
 #   BENCH="--quick"                         arguments of python -m jax_flash.bench
 #   PROFILE="--head-dim 128" NCU_KERNEL=bwd_dkdv   the profile step: ncu on one kernel of one shape
 #                                           (not part of all)
-#   SANITIZE_KERNEL=fwd_kernel              the sanitize step: compute-sanitizer memcheck and
-#                                           racecheck on that kernel, causal and not, tails
-#                                           included (not part of all)
+#   the sanitize step: compute-sanitizer memcheck and racecheck on every kernel of a forward and
+#   backward, causal and not, tails included (not part of all); SANITIZE_KERNEL=name limits them
+#   to kernels whose name contains it
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
@@ -49,7 +49,7 @@ if [[ $step == sanitize ]]; then
   for tool in memcheck racecheck; do
     for causal in "" --causal; do
       echo "== $tool ${causal:-non-causal}" | tee -a "$OUT/sanitize.log"
-      compute-sanitizer --tool $tool --kernel-name "kns=${SANITIZE_KERNEL:-fwd_kernel}" --error-exitcode 1 \
+      compute-sanitizer --tool $tool ${SANITIZE_KERNEL:+--kernel-name "kns=$SANITIZE_KERNEL"} --error-exitcode 1 \
         $PY scripts/profile_once.py --head-dim ${SANITIZE_HEAD_DIM:-128} --seqlen 1000 --tokens 2000 $causal \
         >> "$OUT/sanitize.log" 2>&1 && echo clean | tee -a "$OUT/sanitize.log" || echo "ERRORS (see sanitize.log)"
     done

@@ -33,12 +33,14 @@ struct FwdConfig {
   static constexpr int kBlockM = 64 * kConsumers;
   // S (64 x kBlockN fp32 per warp group) and O (64 x H) share a consumer's 232 registers.
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
-  static constexpr int kStages = 2;
+  // K/V stages: three at H = 128 (225 KB, +2-10% over two); H = 256 fits two; at H = 64 four
+  // measured no faster non-causal and 13% slower causal at 16k (docs/PERF.md).
+  static constexpr int kStages = kHeadDim == 128 ? 3 : 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V tile
-  static constexpr int kBarrierBytes = 128;
+  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
   // + 1024: the dynamic shared memory is aligned up to the 1024 bytes the swizzle repeats over.
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
   // O is computed in chunks of at most 128 columns (one wgmma n128 each).
@@ -46,6 +48,7 @@ struct FwdConfig {
   static constexpr int kOChunks = kHeadDim / kOChunkCols;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
 // The tensor maps view q/k/v/o as 4-d [batch, row, head, column] (innermost last) with boxes of
