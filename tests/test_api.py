@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import cuda_impl
+from jax_flash import _ffi, cuda_impl
 from jax_flash._validation import validate
 from tests import reference
 from tests.cases import qkv, rng_for
@@ -124,3 +124,18 @@ def test_bad_dtypes():
         jax_flash.attention(q.astype(jnp.int32), k, v)
     with pytest.raises(TypeError, match="query must be an array"):
         jax_flash.attention("q", k, v)
+
+
+@pytest.mark.parametrize("value,family", [(None, 0), ("best", 0), ("sm80", 80)])
+def test_kernel_family_from_the_environment(monkeypatch, value, family):
+    if value is None:
+        monkeypatch.delenv(_ffi.KERNELS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(_ffi.KERNELS_ENV, value)
+    assert _ffi.kernel_family() == family
+
+
+def test_unknown_kernel_family_names_the_variable(monkeypatch):
+    monkeypatch.setenv(_ffi.KERNELS_ENV, "sm90")
+    with pytest.raises(ValueError, match="JAX_FLASH_KERNELS must be one of"):
+        _ffi.kernel_family()
