@@ -120,6 +120,8 @@ __device__ __forceinline__ void fence_registers(uint32_t (&a)[M][N]) {
     for (int k = 0; k < N; ++k) asm volatile("" : "+r"(a[i][k])::"memory");
 }
 
+// The accumulator operands of wgmma m64nN with fp32 accumulators (N / 2 registers a thread), as
+// asm operand lists and the matching register lists, for N = 64 and 128.
 #define JAX_FLASH_WGMMA_D32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
     "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
     "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \

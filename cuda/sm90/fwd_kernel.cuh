@@ -6,8 +6,12 @@
 // registers to the consumers (setmaxnreg). Warp groups 1 and 2 are consumers of 64 rows each:
 // S = Q K^T by wgmma with both operands in shared memory, the online softmax on the accumulators in
 // registers (the same per-thread layout as mma.sync, so rows stay inside a quad), then O += P V by
-// wgmma with P from registers; each releases a stage through its "empty" mbarriers. Key blocks are
-// visited from the last one down, so that the blocks needing the band mask come first.
+// wgmma with P from registers; each releases a stage through its "empty" mbarriers. Two overlaps
+// after FlashAttention-3: inside a consumer, the softmax of key block j runs while S_j's successor
+// products are in flight (see the pipeline below), and the two consumers take turns issuing their
+// wgmma (ping-pong), so that one's softmax runs under the other's products. Key blocks are visited
+// from the last one down, so that the blocks needing the band mask come first. The epilogue
+// writes O into the consumer's rows of the Q tile and stores them with TMA.
 //
 // Shared-memory tiles are the layout TMA writes with the 128-byte swizzle: 64-column panels of
 // 128-byte rows, which wgmma reads through descriptors (ptx_sm90.cuh).
