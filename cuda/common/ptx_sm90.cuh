@@ -149,62 +149,32 @@ __device__ __forceinline__ void fence_registers(uint32_t (&a)[M][N]) {
 // SS: A (K-major, e.g. Q) and B (K-major, e.g. K) from shared memory. RS: A from registers (the
 // mma.sync A fragment layout, per warp of 16 rows), B from shared memory MN-major (transposed,
 // e.g. V). `accumulate` false overwrites D.
-__device__ __forceinline__ void wgmma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate, __nv_bfloat16) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " JAX_FLASH_WGMMA_REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : JAX_FLASH_WGMMA_D32
-      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));
-}
-__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, __nv_bfloat16) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " JAX_FLASH_WGMMA_REGS32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-      : JAX_FLASH_WGMMA_D32
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-__device__ __forceinline__ void wgmma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate, __half) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " JAX_FLASH_WGMMA_REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : JAX_FLASH_WGMMA_D32
-      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));
-}
-__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, __half) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " JAX_FLASH_WGMMA_REGS32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-      : JAX_FLASH_WGMMA_D32
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, bool accumulate, __nv_bfloat16) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " JAX_FLASH_WGMMA_REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : JAX_FLASH_WGMMA_D64
-      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));
-}
-__device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, __nv_bfloat16) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " JAX_FLASH_WGMMA_REGS64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : JAX_FLASH_WGMMA_D64
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, bool accumulate, __half) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " JAX_FLASH_WGMMA_REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : JAX_FLASH_WGMMA_D64
-      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));
-}
-__device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, __half) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " JAX_FLASH_WGMMA_REGS64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : JAX_FLASH_WGMMA_D64
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
+// One (N, element type): R = N / 2 accumulators a thread; the other operands' numbers follow them.
+#define JAX_FLASH_DEFINE_WGMMA(R, N, CTYPE, PTYPE, SS_AB, SS_SCALE, RS_AB, RS_SCALE)                   \
+  __device__ __forceinline__ void wgmma_ss(float (&d)[R], uint64_t desc_a, uint64_t desc_b, bool accumulate, \
+                                           CTYPE) {                                                      \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_SCALE ", 0;\n"                                   \
+                 "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." PTYPE "." PTYPE " "                     \
+                 JAX_FLASH_WGMMA_REGS##R ", " SS_AB ", p, 1, 1, 0, 0;\n}\n"                               \
+                 : JAX_FLASH_WGMMA_D##R                                                                  \
+                 : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));                                      \
+  }                                                                                                      \
+  __device__ __forceinline__ void wgmma_rs(float (&d)[R], const uint32_t (&a)[4], uint64_t desc_b, CTYPE) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_SCALE ", 0;\n"                                   \
+                 "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." PTYPE "." PTYPE " "                     \
+                 JAX_FLASH_WGMMA_REGS##R ", " RS_AB ", p, 1, 1, 1;\n}\n"                                  \
+                 : JAX_FLASH_WGMMA_D##R                                                                  \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));                      \
+  }
+#define JAX_FLASH_DEFINE_WGMMA_N(R, N, SS_AB, SS_SCALE, RS_AB, RS_SCALE)                       \
+  JAX_FLASH_DEFINE_WGMMA(R, N, __nv_bfloat16, "bf16", SS_AB, SS_SCALE, RS_AB, RS_SCALE) \
+  JAX_FLASH_DEFINE_WGMMA(R, N, __half, "f16", SS_AB, SS_SCALE, RS_AB, RS_SCALE)
+
+JAX_FLASH_DEFINE_WGMMA_N(32, "64", "%32, %33", "%34", "{%32, %33, %34, %35}, %36", "%37")
+JAX_FLASH_DEFINE_WGMMA_N(64, "128", "%64, %65", "%66", "{%64, %65, %66, %67}, %68", "%69")
+
+#undef JAX_FLASH_DEFINE_WGMMA_N
+#undef JAX_FLASH_DEFINE_WGMMA
 #undef JAX_FLASH_WGMMA_D32
 #undef JAX_FLASH_WGMMA_D64
 #undef JAX_FLASH_WGMMA_REGS32
