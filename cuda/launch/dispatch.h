@@ -13,13 +13,13 @@ enum class DType { kFloat16, kBFloat16 };
 inline bool fwd_supports_head_dim(int d) {
   return d == 32 || d == 64 || d == 96 || d == 128 || d == 192 || d == 256;
 }
+inline bool bwd_supports_head_dim(int d) { return d == 32 || d == 64 || d == 96 || d == 128; }
 // Head dims of the Hopper forward; the others run the sm80 kernel on Hopper too.
 constexpr bool fwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 256; }
 
 // Which kernel family a call may use: the fastest one for the device, or only the mma.sync
 // (sm80) kernels, which run on every GPU from sm_80 on (to test them on Hopper).
 enum class KernelFamily { kBest = 0, kSm80 = 80 };
-inline bool bwd_supports_head_dim(int d) { return d == 32 || d == 64 || d == 96 || d == 128; }
 
 // The launch status. Callers check the head dim first (cudaErrorInvalidValue otherwise).
 cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, cudaStream_t stream);
