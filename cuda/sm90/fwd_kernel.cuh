@@ -241,6 +241,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Software pipeline inside the warp group (FlashAttention-3's intra-warpgroup overlap): while
   // the tensor cores compute S_j and then P_{j-1} V_{j-1}, this warp group runs the softmax of
   // block j. O is scaled for block j only after P_{j-1} V_{j-1} has landed in it.
+  //
   // Ping-pong between the two consumers (FlashAttention-3's inter-warpgroup overlap): they take
   // turns issuing their wgmma, so that one's softmax runs while the other's products occupy the
   // tensor cores. Named barrier 3 + c opens consumer c's turn: c syncs on it (128 threads) and the
