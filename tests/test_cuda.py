@@ -5,9 +5,6 @@ output element the kernel never writes shows up as NaN), and compares against th
 reference and the xla path on the same inputs.
 """
 
-import contextlib
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,20 +43,6 @@ def run(implementation, q, k, v, g_out, **kw):
     return out, lse, grads
 
 
-@contextlib.contextmanager
-def kernel_family(name):
-    """Traces inside use the given forward kernels ("best": the Hopper kernel on sm_90)."""
-    previous = os.environ.get(_ffi.KERNELS_ENV)
-    os.environ[_ffi.KERNELS_ENV] = name
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[_ffi.KERNELS_ENV]
-        else:
-            os.environ[_ffi.KERNELS_ENV] = previous
-
-
 def check(dtype, b, t, s, n, kv_heads, h, **kw):
     """Both kernel families ("best", then the sm80 kernels alone) against the float64 reference
     and the xla path; returns the inputs and the "best" results."""
@@ -75,7 +58,8 @@ def check(dtype, b, t, s, n, kv_heads, h, **kw):
     ref_grads = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
     results = {}
     for family in ("best", "sm80"):
-        with kernel_family(family):
+        with pytest.MonkeyPatch.context() as env:  # traces inside use these forward kernels
+            env.setenv(_ffi.KERNELS_ENV, family)
             ours = results[family] = run("cuda", q, k, v, g_out, **kw)
         checks = [("out", FWD_TOL, ours[0], xla[0], ref_out), ("lse", 1e-4, ours[1], xla[1], ref_lse)]
         checks += [(f"d{name}", GRAD_TOL, g, gx, gr) for name, g, gx, gr in zip("qkv", ours[2], xla[2], ref_grads)]
