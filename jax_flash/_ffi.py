@@ -58,10 +58,11 @@ def _window_attrs(config) -> dict:
     )
 
 
-# Which forward kernels a call may use (read when a call is traced): "best" (the Hopper kernel on
-# sm_90, the mma.sync kernel elsewhere) or "sm80" (the mma.sync kernel everywhere, so that it stays
+# Which kernels a call may use (read when a call is traced): "best" (the Hopper kernels on sm_90,
+# the mma.sync kernels elsewhere) or "sm80" (the mma.sync kernels everywhere, so that they stay
 # tested on Hopper).
 KERNELS_ENV = "JAX_FLASH_KERNELS"
+_STATS_ROW_MULTIPLE = 128  # kStatsRowMultiple in cuda/common/params.h
 _KERNEL_FAMILIES = {"best": 0, "sm80": 80}
 
 
@@ -90,18 +91,21 @@ def backward(config, q, k, v, out, lse, d_out, d_lse):
     """(dq, dk, dv) from the backward kernels; lse and d_lse are [B, N, T] float32. Under vmap,
     one call with the mapped axis folded into the batch."""
     register_targets()
-    attrs = _window_attrs(config)
+    attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()))
 
     def run(q, k, v, out, lse, d_out, d_lse):
         b, t, n, _ = q.shape
+        # Per-row statistics scratch, rows padded to whole query blocks (cuda/common/params.h).
+        stats = jax.ShapeDtypeStruct((b, n, -(-t // _STATS_ROW_MULTIPLE) * _STATS_ROW_MULTIPLE), jnp.float32)
         result_types = (
             jax.ShapeDtypeStruct(q.shape, jnp.float32),  # dQ accumulator, filled with atomics
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct((b, n, t), jnp.float32),  # delta = rowsum(dO * O) - dlse, scratch
+            stats,  # delta = rowsum(dO * O) - dlse
+            stats,  # lse in base 2
         )
         return jax.ffi.ffi_call("jax_flash_bwd", result_types)(q, k, v, out, lse, d_out, d_lse, **attrs)
 
-    dq_accum, dk, dv, _ = _batching.fold_into_batch(run)(q, k, v, out, lse.astype(jnp.float32), d_out,
+    dq_accum, dk, dv, _, _ = _batching.fold_into_batch(run)(q, k, v, out, lse.astype(jnp.float32), d_out,
                                                           d_lse.astype(jnp.float32))  # fmt: skip
     return dq_accum.astype(q.dtype), dk, dv

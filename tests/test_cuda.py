@@ -58,7 +58,7 @@ def check(dtype, b, t, s, n, kv_heads, h, **kw):
     ref_grads = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
     results = {}
     for family in ("best", "sm80"):
-        with pytest.MonkeyPatch.context() as env:  # traces inside use these forward kernels
+        with pytest.MonkeyPatch.context() as env:  # traces inside use these kernels
             env.setenv(_ffi.KERNELS_ENV, family)
             ours = results[family] = run("cuda", q, k, v, g_out, **kw)
         checks = [("out", FWD_TOL, ours[0], xla[0], ref_out), ("lse", 1e-4, ours[1], xla[1], ref_lse)]

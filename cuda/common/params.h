@@ -21,6 +21,9 @@ struct FwdParams {
   int window_right;     //   -window_left <= j - (i + seqlen_k - seqlen_q) <= window_right
 };
 
+// The largest query block of a backward kernel: the statistics rows are padded to a multiple.
+constexpr int kStatsRowMultiple = 128;
+
 struct BwdParams : FwdParams {
   const void* dout;
   const float* dlse;  // [B, N, T]: cotangent of the returned lse (enters delta as -dlse)
@@ -28,7 +31,12 @@ struct BwdParams : FwdParams {
   void* dk;
   void* dv;
   float* dq_accum;  // [B, T, N, H] float32 scratch owned by XLA (an extra output of the call)
-  float* delta;     // [B, N, T]: rowsum(dO * O), the softmax backward's per-row term
+  // Per-row statistics, [B, N, stats_stride] float32 scratch with stats_stride >= T a multiple of
+  // kStatsRowMultiple, so that every query block's rows are whole and aligned (the sm90 kernel
+  // copies them in bulk).
+  float* delta;     // rowsum(dO * O) - dlse, the softmax backward's per-row term; 0 past T
+  float* lse_log2;  // lse * log2(e), +inf for empty rows and past T (so that P = 0 there)
+  int stats_stride;
 };
 
 }  // namespace jax_flash

@@ -52,11 +52,26 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
+// A contiguous run of `bytes` (a multiple of 16, both addresses 16-byte aligned) completing on
+// `bar`, like the tensor copies.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
 // Rows outside the tensor are not written (the tensor map clips them).
 __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t src, int c0, int c1,
                                              int c2, int c3) {
   asm volatile(
       "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(map),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+// Adds a tile to global memory (element-wise atomic adds of the tensor map's type, e.g. float).
+__device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2,
+                                                  int c3) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(map),
       "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
@@ -146,18 +161,19 @@ __device__ __forceinline__ void fence_registers(uint32_t (&a)[M][N]) {
     "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55," \
     "%56, %57, %58, %59, %60, %61, %62, %63" "}"
 
-// SS: A (K-major, e.g. Q) and B (K-major, e.g. K) from shared memory. RS: A from registers (the
-// mma.sync A fragment layout, per warp of 16 rows), B from shared memory MN-major (transposed,
-// e.g. V). `accumulate` false overwrites D.
+// SS: A and B from shared memory, K-major (e.g. Q and K of S = Q K^T) unless kTransA / kTransB
+// make them MN-major. RS: A from registers (the mma.sync A fragment layout, per warp of 16 rows),
+// B from shared memory MN-major (transposed, e.g. V). `accumulate` false overwrites D.
 // One (N, element type): R = N / 2 accumulators a thread; the other operands' numbers follow them.
-#define JAX_FLASH_DEFINE_WGMMA(R, N, CTYPE, PTYPE, SS_AB, SS_SCALE, RS_AB, RS_SCALE)                   \
+#define JAX_FLASH_DEFINE_WGMMA(R, N, CTYPE, PTYPE, SS_AB, SS_SCALE, SS_TRANS, RS_AB, RS_SCALE)         \
+  template <int kTransA = 0, int kTransB = 0>                                                            \
   __device__ __forceinline__ void wgmma_ss(float (&d)[R], uint64_t desc_a, uint64_t desc_b, bool accumulate, \
                                            CTYPE) {                                                      \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_SCALE ", 0;\n"                                   \
                  "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." PTYPE "." PTYPE " "                     \
-                 JAX_FLASH_WGMMA_REGS##R ", " SS_AB ", p, 1, 1, 0, 0;\n}\n"                               \
+                 JAX_FLASH_WGMMA_REGS##R ", " SS_AB ", p, 1, 1, " SS_TRANS ";\n}\n"                       \
                  : JAX_FLASH_WGMMA_D##R                                                                  \
-                 : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));                                      \
+                 : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB));           \
   }                                                                                                      \
   __device__ __forceinline__ void wgmma_rs(float (&d)[R], const uint32_t (&a)[4], uint64_t desc_b, CTYPE) { \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_SCALE ", 0;\n"                                   \
@@ -166,12 +182,12 @@ __device__ __forceinline__ void fence_registers(uint32_t (&a)[M][N]) {
                  : JAX_FLASH_WGMMA_D##R                                                                  \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));                      \
   }
-#define JAX_FLASH_DEFINE_WGMMA_N(R, N, SS_AB, SS_SCALE, RS_AB, RS_SCALE)                       \
-  JAX_FLASH_DEFINE_WGMMA(R, N, __nv_bfloat16, "bf16", SS_AB, SS_SCALE, RS_AB, RS_SCALE) \
-  JAX_FLASH_DEFINE_WGMMA(R, N, __half, "f16", SS_AB, SS_SCALE, RS_AB, RS_SCALE)
+#define JAX_FLASH_DEFINE_WGMMA_N(R, N, SS_AB, SS_SCALE, SS_TRANS, RS_AB, RS_SCALE)                       \
+  JAX_FLASH_DEFINE_WGMMA(R, N, __nv_bfloat16, "bf16", SS_AB, SS_SCALE, SS_TRANS, RS_AB, RS_SCALE) \
+  JAX_FLASH_DEFINE_WGMMA(R, N, __half, "f16", SS_AB, SS_SCALE, SS_TRANS, RS_AB, RS_SCALE)
 
-JAX_FLASH_DEFINE_WGMMA_N(32, "64", "%32, %33", "%34", "{%32, %33, %34, %35}, %36", "%37")
-JAX_FLASH_DEFINE_WGMMA_N(64, "128", "%64, %65", "%66", "{%64, %65, %66, %67}, %68", "%69")
+JAX_FLASH_DEFINE_WGMMA_N(32, "64", "%32, %33", "%34", "%35, %36", "{%32, %33, %34, %35}, %36", "%37")
+JAX_FLASH_DEFINE_WGMMA_N(64, "128", "%64, %65", "%66", "%67, %68", "{%64, %65, %66, %67}, %68", "%69")
 
 #undef JAX_FLASH_DEFINE_WGMMA_N
 #undef JAX_FLASH_DEFINE_WGMMA

@@ -68,6 +68,14 @@ void fill_attributes(float scale, int32_t window_left, int32_t window_right, Fwd
   p->window_right = window_right;
 }
 
+ffi::Error check_kernel_family(int32_t kernels) {
+  if (kernels != int32_t(KernelFamily::kBest) && kernels != int32_t(KernelFamily::kSm80)) {
+    return ffi::Error::InvalidArgument("jax_flash: kernels must be 0 (best) or 80 (sm80 only), got " +
+                                       std::to_string(kernels));
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error launch_status(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
     return ffi::Error::Internal(std::string("jax_flash: ") + what + " launch failed: " +
@@ -89,10 +97,7 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   }
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
-  if (kernels != int32_t(KernelFamily::kBest) && kernels != int32_t(KernelFamily::kSm80)) {
-    return ffi::Error::InvalidArgument("jax_flash: kernels must be 0 (best) or 80 (sm80 only), got " +
-                                       std::to_string(kernels));
-  }
+  if (ffi::Error e = check_kernel_family(kernels); e.failure()) return e;
   return launch_status(run_fwd(dtype, p, KernelFamily(kernels), stream), "forward");
 }
 
@@ -100,8 +105,8 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
                     ffi::Buffer<ffi::F32> dlse, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
                     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                    ffi::Result<ffi::Buffer<ffi::F32>> delta, float scale, int32_t window_left,
-                    int32_t window_right) {
+                    ffi::Result<ffi::Buffer<ffi::F32>> delta, ffi::Result<ffi::Buffer<ffi::F32>> lse_log2,
+                    float scale, int32_t window_left, int32_t window_right, int32_t kernels) {
   BwdParams p{};
   DType dtype;
   if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p); e.failure()) return e;
@@ -117,8 +122,18 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   p.dq_accum = dq_accum->typed_data();
   p.dk = dk->untyped_data();
   p.dv = dv->untyped_data();
+  // The statistics scratch: [B, N, stats_stride], rows padded to whole query blocks.
+  const auto sd = delta->dimensions(), ld = lse_log2->dimensions();
+  if (sd.size() != 3 || sd[0] != p.batch || sd[1] != p.heads || sd[2] < p.seqlen_q ||
+      sd[2] % kStatsRowMultiple != 0 || ld.size() != 3 || ld[0] != sd[0] || ld[1] != sd[1] || ld[2] != sd[2]) {
+    return ffi::Error::InvalidArgument("jax_flash: the delta and lse_log2 scratch must be [B, N, T rounded up to " +
+                                       std::to_string(kStatsRowMultiple) + "], got " + shape_string(sd));
+  }
   p.delta = delta->typed_data();
-  return launch_status(run_bwd(dtype, p, stream), "backward");
+  p.lse_log2 = lse_log2->typed_data();
+  p.stats_stride = static_cast<int>(sd[2]);
+  if (ffi::Error e = check_kernel_family(kernels); e.failure()) return e;
+  return launch_status(run_bwd(dtype, p, KernelFamily(kernels), stream), "backward");
 }
 
 }  // namespace
@@ -151,10 +166,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dQ accumulator [B, T, N, H]
                                   .Ret<ffi::AnyBuffer>()  // dK
                                   .Ret<ffi::AnyBuffer>()  // dV
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // delta scratch [B, N, T]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // delta scratch [B, N, T padded]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse_log2 scratch [B, N, T padded]
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right"),
+                                  .Attr<int32_t>("window_right")
+                                  .Attr<int32_t>("kernels"),  // KernelFamily
                               {ffi::Traits::kCmdBufferCompatible});
 
 namespace jax_flash {

@@ -52,11 +52,16 @@ cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream
 }
 
 template <typename T>
-cudaError_t bwd_for(const BwdParams& p, cudaStream_t stream) {
+cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream) {
   if (!bwd_supports_head_dim(p.head_dim)) return cudaErrorInvalidValue;
+  const bool sm90 = use_sm90(family) && bwd_sm90_supports_head_dim(p.head_dim);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
-    if constexpr (decltype(d)::value <= 128) {
-      return run_bwd_sm80<T, decltype(d)::value>(p, stream);
+    constexpr int kHeadDim = decltype(d)::value;
+    if constexpr (bwd_sm90_supports_head_dim(kHeadDim)) {
+      if (sm90) return run_bwd_sm90<T, kHeadDim>(p, stream);
+    }
+    if constexpr (kHeadDim <= 128) {
+      return run_bwd_sm80<T, kHeadDim>(p, stream);
     } else {
       return cudaErrorInvalidValue;
     }
@@ -69,8 +74,8 @@ cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, cudaSt
   return dtype == DType::kFloat16 ? fwd_for<__half>(p, family, stream) : fwd_for<__nv_bfloat16>(p, family, stream);
 }
 
-cudaError_t run_bwd(DType dtype, const BwdParams& p, cudaStream_t stream) {
-  return dtype == DType::kFloat16 ? bwd_for<__half>(p, stream) : bwd_for<__nv_bfloat16>(p, stream);
+cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, cudaStream_t stream) {
+  return dtype == DType::kFloat16 ? bwd_for<__half>(p, family, stream) : bwd_for<__nv_bfloat16>(p, family, stream);
 }
 
 }  // namespace jax_flash

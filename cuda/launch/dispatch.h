@@ -14,8 +14,9 @@ inline bool fwd_supports_head_dim(int d) {
   return d == 32 || d == 64 || d == 96 || d == 128 || d == 192 || d == 256;
 }
 inline bool bwd_supports_head_dim(int d) { return d == 32 || d == 64 || d == 96 || d == 128; }
-// Head dims of the Hopper forward; the others run the sm80 kernel on Hopper too.
+// Head dims of the Hopper kernels; the others run the sm80 kernels on Hopper too.
 constexpr bool fwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 256; }
+constexpr bool bwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128; }
 
 // Which kernel family a call may use: the fastest one for the device, or only the mma.sync
 // (sm80) kernels, which run on every GPU from sm_80 on (to test them on Hopper).
@@ -23,7 +24,7 @@ enum class KernelFamily { kBest = 0, kSm80 = 80 };
 
 // The launch status. Callers check the head dim first (cudaErrorInvalidValue otherwise).
 cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, cudaStream_t stream);
-cudaError_t run_bwd(DType dtype, const BwdParams& p, cudaStream_t stream);
+cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, cudaStream_t stream);
 
 // Declarations of the instantiations in cuda/generated/ (one .cu each).
 template <typename T, int kHeadDim>
@@ -32,5 +33,7 @@ template <typename T, int kHeadDim>
 cudaError_t run_bwd_sm80(const BwdParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream);
+template <typename T, int kHeadDim>
+cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream);
 
 }  // namespace jax_flash

@@ -1,11 +1,14 @@
-// Launcher of the sm90 forward for one (element type, head dim): tensor maps, grid, stream.
-// No synchronisation and no allocation: it runs inside XLA's stream (and CUDA graphs).
+// Launchers of the sm90 kernels for one (element type, head dim): tensor maps, grid, stream.
+// No synchronisation and no allocation: they run inside XLA's stream (and CUDA graphs).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include "common/bwd_preprocess.cuh"
 #include "common/params.h"
+#include "launch/allow_smem.h"
 #include "launch/tensor_map.h"
+#include "sm90/bwd_kernel.cuh"
 #include "sm90/fwd_kernel.cuh"
 
 namespace jax_flash {
@@ -23,11 +26,31 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
     if (e != cudaSuccess) return e;
   }
   auto kernel = sm90::fwd_kernel<Cfg>;
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-      e != cudaSuccess) {
-    return e;
-  }
+  if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.batch * p.heads);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
+  return cudaGetLastError();
+}
+
+template <typename T, int kHeadDim>
+cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
+  using Cfg = sm90::BwdConfig<T, kHeadDim>;
+  if (cudaError_t e = launch_bwd_preprocess<T, kHeadDim>(p, stream); e != cudaSuccess) return e;
+  sm90::BwdTensorMaps maps;
+  for (cudaError_t e : {
+           make_tensor_map_bthd(&maps.q, p.q, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
+           make_tensor_map_bthd(&maps.dout, p.dout, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
+           make_tensor_map_bthd(&maps.k, p.k, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
+           make_tensor_map_bthd(&maps.v, p.v, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
+           make_tensor_map_bthd(&maps.dk, p.dk, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, 64),
+           make_tensor_map_bthd(&maps.dv, p.dv, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, 64),
+           make_tensor_map_bthd_f32(&maps.dq_accum, p.dq_accum, p.batch, p.seqlen_q, p.heads, kHeadDim, 64),
+       }) {
+    if (e != cudaSuccess) return e;
+  }
+  auto kernel = sm90::bwd_kernel<Cfg>;
+  if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
+  const dim3 grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
   return cudaGetLastError();
 }

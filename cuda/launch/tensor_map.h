@@ -6,10 +6,13 @@
 
 namespace jax_flash {
 
-// A 4-d view [batch, rows, heads, head_dim] of a contiguous 16-bit tensor, copied in boxes of
-// `box_rows` rows x 64 columns of one head, with the 128-byte shared-memory swizzle. Rows past
-// the end read as zeros and are not written. cudaErrorInvalidValue when the driver refuses it.
+// A 4-d view [batch, rows, heads, head_dim] of a contiguous tensor, copied in boxes of `box_rows`
+// rows x 128 bytes of one head's columns (64 16-bit or 32 float elements), with the 128-byte
+// shared-memory swizzle. Rows past the end read as zeros and are not written.
+// cudaErrorInvalidValue when the driver refuses it.
 cudaError_t make_tensor_map_bthd(CUtensorMap* map, const void* data, int batch, int rows, int heads,
-                                 int head_dim, int box_rows);
+                                 int head_dim, int box_rows);  // 16-bit elements
+cudaError_t make_tensor_map_bthd_f32(CUtensorMap* map, const float* data, int batch, int rows, int heads,
+                                     int head_dim, int box_rows);
 
 }  // namespace jax_flash

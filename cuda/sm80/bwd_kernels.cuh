@@ -1,9 +1,5 @@
-// FlashAttention-2 backward on mma.sync (sm_80 and newer): two kernels.
-//
-// 1. bwd_preprocess: delta = rowsum(dO * O) - dlse per query row (dlse: the cotangent of the
-//    returned log-sum-exp, whose derivative is P), and zeroes the fp32 dQ accumulator
-//    (XLA hands us uninitialised output buffers).
-// 2. bwd_dkdv_kernel: one CTA per (key block, batch, kv head) keeps its 128 keys' dK and dV in
+// FlashAttention-2 backward on mma.sync (sm_80 and newer): bwd_preprocess (common/), then
+// bwd_dkdv_kernel: one CTA per (key block, batch, kv head) keeps its 128 keys' dK and dV in
 //    registers while it walks every query block (64 rows, 128 where H <= 64) of every query
 //    head of the GQA group, so dK/dV of a group are summed without atomics and written once.
 //    Per step: S and dP, then P and dS go to shared memory, where dV += P^T dO, dK += dS^T Q
@@ -15,6 +11,7 @@
 
 #include <cmath>
 
+#include "common/bwd_walk.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
 #include "common/ptx.cuh"
@@ -24,40 +21,6 @@
 namespace jax_flash::sm80 {
 
 constexpr float kLog2e = 1.4426950408889634f;
-
-// One warp per (batch, query, head) row: delta = sum_h dO * O - dlse, and dq_accum row = 0.
-template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(128) bwd_preprocess(const BwdParams p) {
-  constexpr int kChunks = kHeadDim / 8;
-  static_assert(kChunks <= 32, "one 16-byte chunk per lane");
-  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;  // index into [B, T, N]
-  const int lane = threadIdx.x % 32;
-  if (row >= int64_t(p.batch) * p.seqlen_q * p.heads) return;
-  float sum = 0.f;
-  if (lane < kChunks) {
-    const int64_t offset = row * kHeadDim + lane * 8;
-    const uint4 o = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + offset);
-    const uint4 d = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + offset);
-    const uint32_t os[4] = {o.x, o.y, o.z, o.w}, ds[4] = {d.x, d.y, d.z, d.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 a = ptx::unpack2<T>(os[i]), b = ptx::unpack2<T>(ds[i]);
-      sum += a.x * b.x + a.y * b.y;
-    }
-    float4* acc = reinterpret_cast<float4*>(p.dq_accum + offset);
-    acc[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-    acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-#pragma unroll
-  for (int mask = 16; mask > 0; mask /= 2) sum += __shfl_xor_sync(0xffffffff, sum, mask);
-  if (lane == 0) {
-    const int head = row % p.heads;
-    const int64_t bt = row / p.heads;
-    const int batch = bt / p.seqlen_q, q = bt % p.seqlen_q;
-    const int64_t index = (int64_t(batch) * p.heads + head) * p.seqlen_q + q;
-    p.delta[index] = sum - p.dlse[index];
-  }
-}
 
 template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdParams p) {
@@ -96,22 +59,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   const int64_t kv_row_stride = int64_t(p.kv_heads) * kHeadDim;
   const int64_t kv_offset = (int64_t(batch) * p.seqlen_k + k_first) * kv_row_stride + kv_head * kHeadDim;
 
-  const int m_begin = band.query_begin(k_first, p.seqlen_q) / kBlockM;
-  const int m_end = (band.query_end(k_first + keys_valid - 1, p.seqlen_q) + kBlockM - 1) / kBlockM;
-  const int steps = group * max(0, m_end - m_begin);
+  const BwdWalk walk = BwdWalk::make(band, k_first, keys_valid, p.seqlen_q, kBlockM, group);
+  const int steps = walk.steps;
 
-  // The steps walk query blocks m_begin..m_end of each query head of the group in turn; counted
-  // rather than divided out of the step index (an integer division per step showed in profiles).
-  struct Cursor {
-    int head, m_block;
-    __device__ void advance(int first, int end) {
-      if (++m_block == end) m_block = first, ++head;
-    }
-  };
-
-  // Rows past seqlen_q are zero-filled in every tile (Q, dO, lse, delta), so they give dS = 0
-  // and add nothing to dK or dV (their P^T is multiplied by a zero dO row).
-  auto prefetch = [&](Cursor c, int stage) {
+  // Rows past seqlen_q are zero-filled in Q and dO and have lse_log2 = +inf (bwd_preprocess), so
+  // they give P = 0 and dS = 0 and add nothing to dK or dV.
+  auto prefetch = [&](BwdStep c, int stage) {
     const int q_first = c.m_block * kBlockM;
     const int64_t offset = (int64_t(batch) * p.seqlen_q + q_first) * q_row_stride + c.head * kHeadDim;
     const int rows = p.seqlen_q - q_first;
@@ -119,11 +72,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
                                                  q_row_stride, rows, tid);
     load_tile_async<QTile, Cfg::kThreads, false>(stage_do(stage), static_cast<const T*>(p.dout) + offset,
                                                  q_row_stride, rows, tid);
-    const int64_t row_offset = (int64_t(batch) * p.heads + c.head) * p.seqlen_q + q_first;
-    const int r = tid % kBlockM;
+    // The statistics rows are padded to whole blocks (params.h).
+    const int64_t row_offset = (int64_t(batch) * p.heads + c.head) * p.stats_stride + q_first;
     if (tid < 2 * kBlockM) {
-      const float* src = (tid < kBlockM ? p.lse : p.delta) + row_offset + (r < rows ? r : 0);
-      ptx::cp_async_4(stage_stats(stage) + tid * 4, src, r < rows);
+      const float* src = (tid < kBlockM ? p.lse_log2 : p.delta) + row_offset + tid % kBlockM;
+      ptx::cp_async_4(stage_stats(stage) + tid * 4, src, true);
     }
   };
 
@@ -131,8 +84,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
                                                keys_valid, tid);
   load_tile_async<KTile, Cfg::kThreads, false>(sV, static_cast<const T*>(p.v) + kv_offset, kv_row_stride,
                                                keys_valid, tid);
-  Cursor cur{kv_head * group, m_begin}, next = cur;
-  next.advance(m_begin, m_end);
+  BwdStep cur{kv_head * group, walk.m_begin}, next = cur;
+  next.advance(walk);
   if (steps > 0) prefetch(cur, 0);
   ptx::cp_async_commit();
 
@@ -179,7 +132,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     const int head = cur.head;
     const int q_first = cur.m_block * kBlockM;
     cur = next;
-    next.advance(m_begin, m_end);
+    next.advance(walk);
 
     // S = Q K^T, then P, then dP = dO V^T: kSdpRowsPerWarp queries x 32 keys per warp. S and dP take turns in
     // the same registers; P waits for dP packed to 16 bits (the precision it is stored in).
@@ -215,15 +168,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     auto row = [&](int mt, int r) { return sdp_m + mt * 16 + r * 8 + lane / 4; };
     auto col = [&](int n, int j) { return sdp_n + n * 8 + (lane % 4) * 2 + j; };
 
-    // P = exp(scale * S - lse). A row that sees no key has lse = -inf and must give P = 0; keys
-    // outside the band or past seqlen_k are masked here.
+    // P = exp(scale * S - lse) (0 for rows that see no key: their lse_log2 is +inf); keys outside
+    // the band or past seqlen_k are masked here.
     product(stage_offset, 0);
 #pragma unroll
     for (int mt = 0; mt < kSdpMTiles; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float lse = stats[row(mt, r)];
-        const float lse_log2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
+        const float lse_log2 = stats[row(mt, r)];
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
           float prob[2];

@@ -1,0 +1,325 @@
+// FlashAttention backward on Hopper (sm_90a): TMA, mbarriers, wgmma, warp specialisation.
+//
+// A CTA owns kBlockN = 128 keys of one kv head and walks every query block that can see them
+// (common/bwd_walk.cuh), 64 query rows a step, keeping dK and dV of its keys in registers. Warp
+// group 0 is the producer: one thread copies K and V once, then each step's Q, dO, lse and delta
+// into kStages stages by TMA, completing on "full" mbarriers. Warp groups 1 and 2 are consumers of
+// 64 keys each. Per step a consumer computes, all by wgmma with fp32 accumulators:
+//   S^T  = K Q^T    and  dP^T = V dO^T      (both operands in shared memory)
+//   P^T  = exp2(S^T * scale * log2 e - lse_log2),  dS^T = P^T (dP^T - delta) * scale
+//   dV  += P^T dO   and  dK  += dS^T Q      (P^T, dS^T from registers)
+//   dQ   = dS K                             (dS^T through shared memory)
+// Computing S and dP transposed (keys as rows) puts P^T and dS^T in registers in the layout of a
+// wgmma A operand, so dV and dK need no trip through shared memory; only dQ, whose rows are
+// queries, reads dS from there. dQ needs every key block's share: each consumer writes its
+// 64 x 64 fp32 part to shared memory and one thread adds it to the fp32 accumulator in global
+// memory with a TMA reduce-add (one bulk atomic per tile instead of one per element pair).
+// At H = 128 the two consumers split dQ's columns (each over all 128 keys, so the dS^T of both
+// must be in shared memory: a barrier across the two); at H = 64 each takes all columns over its
+// own 64 keys (two reduces of 16 KB instead of one barrier).
+//
+// Shared-memory tiles are the layout TMA writes with the 128-byte swizzle: 64-column panels of
+// 128-byte rows (sm90/fwd_kernel.cuh); wgmma reads them K-major or MN-major through descriptors.
+#pragma once
+
+#include <cuda.h>
+
+#include <cmath>
+
+#include "common/bwd_walk.cuh"
+#include "common/mask.cuh"
+#include "common/params.h"
+#include "common/ptx.cuh"
+#include "common/ptx_sm90.cuh"
+
+namespace jax_flash::sm90 {
+
+template <typename T_, int kHeadDim_>
+struct BwdConfig {
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "dK and dV (64 x H fp32 each) fill a consumer's registers");
+  static constexpr int kConsumers = 2;  // warp groups of 64 keys
+  static constexpr int kBlockN = 64 * kConsumers;
+  static constexpr int kBlockM = 64;  // query rows a step
+  static_assert(kBlockM <= kStatsRowMultiple, "statistics rows are padded to whole query blocks");
+  static constexpr int kStages = 2;
+  static constexpr bool kDqSplitsColumns = kHeadDim == 128;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kPanels = kHeadDim / 64;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one stage of Q or dO
+  static constexpr int kStatBytes = kBlockM * 4;           // one stage of lse_log2 or delta
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // dS^T, 128-byte rows of 64 queries
+  static constexpr int kDqBytes = 64 * 64 * 4;             // a consumer's dQ part, two 32-column panels
+  // Offsets from the 1024-byte aligned base (the swizzle repeats every 1024 bytes).
+  static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDo = kQ + kStages * kQBytes;
+  static constexpr int kDs = kDo + kStages * kQBytes;  // two buffers: one step's dQ reads one
+  static constexpr int kDq = kDs + 2 * kDsBytes;
+  static constexpr int kLse = kDq + kConsumers * kDqBytes, kDelta = kLse + kStages * kStatBytes;
+  static constexpr int kBarriers = kDelta + kStages * kStatBytes;
+  static constexpr int kSmemBytes = kBarriers + 8 * (1 + 4 * kStages) + 1024;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+};
+
+// [batch, row, head, column] views (tensor_map.h): q and dO in boxes of kBlockM rows, k and v of
+// kBlockN, dk and dv of 64 (a consumer's), the fp32 dQ accumulator of 64 rows x 32 columns.
+struct BwdTensorMaps {
+  CUtensorMap q, dout, k, v, dk, dv, dq_accum;
+};
+
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    bwd_kernel(const __grid_constant__ BwdTensorMaps maps, const BwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = typename Cfg::T;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  constexpr int kStages = Cfg::kStages;
+  constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  extern __shared__ char smem[];
+  const uint32_t align = (1024 - (ptx::smem_addr(smem) & 1023)) & 1023;
+  char* const base = smem + align;
+  const uint32_t base_addr = ptx::smem_addr(smem) + align;
+  const uint32_t sK = base_addr + Cfg::kK, sV = base_addr + Cfg::kV;
+  auto sQ = [&](int stage) { return base_addr + Cfg::kQ + stage * Cfg::kQBytes; };
+  auto sDo = [&](int stage) { return base_addr + Cfg::kDo + stage * Cfg::kQBytes; };
+  auto sDs = [&](int buffer) { return base_addr + Cfg::kDs + buffer * Cfg::kDsBytes; };
+  auto sLse = [&](int stage) { return base_addr + Cfg::kLse + stage * Cfg::kStatBytes; };
+  auto sDelta = [&](int stage) { return base_addr + Cfg::kDelta + stage * Cfg::kStatBytes; };
+  const uint32_t bars = base_addr + Cfg::kBarriers;
+  const uint32_t kv_full = bars;
+  auto q_full = [&](int stage) { return bars + 8 * (1 + stage); };
+  auto do_full = [&](int stage) { return bars + 8 * (1 + kStages + stage); };
+  auto q_empty = [&](int stage) { return bars + 8 * (1 + 2 * kStages + stage); };
+  auto do_empty = [&](int stage) { return bars + 8 * (1 + 3 * kStages + stage); };
+
+  const int n_block = blockIdx.x;
+  const int batch = blockIdx.y / p.kv_heads, kv_head = blockIdx.y % p.kv_heads;
+  const int group = p.heads / p.kv_heads;
+  const int k_first = n_block * kBlockN;
+  const Band band = Band::from(p);
+  const BwdWalk walk = BwdWalk::make(band, k_first, min(kBlockN, p.seqlen_k - k_first), p.seqlen_q, kBlockM, group);
+
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(kv_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(q_full(s), 1);
+      ptx::mbarrier_init(do_full(s), 1);
+      ptx::mbarrier_init(q_empty(s), kConsumerThreads);
+      ptx::mbarrier_init(do_empty(s), kConsumerThreads);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warp_group = threadIdx.x / 128;
+  if (warp_group == 0) {
+    // Producer. The n-th use of a stage waits for the consumers' release of use n - 1.
+    ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (threadIdx.x == 0 && walk.steps > 0) {
+      ptx::mbarrier_arrive_expect_tx(kv_full, 2 * Cfg::kKVBytes);
+      for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+        ptx::tma_load_4d(sK + panel * kBlockN * 128, &maps.k, kv_full, panel * 64, kv_head, k_first, batch);
+        ptx::tma_load_4d(sV + panel * kBlockN * 128, &maps.v, kv_full, panel * 64, kv_head, k_first, batch);
+      }
+      BwdStep step{kv_head * group, walk.m_begin};
+      for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
+        const int stage = s % kStages, use = s / kStages;
+        const int q_first = step.m_block * kBlockM;
+        const int64_t stats = (int64_t(batch) * p.heads + step.head) * p.stats_stride + q_first;
+        if (use > 0) ptx::mbarrier_wait(q_empty(stage), (use - 1) & 1);
+        ptx::mbarrier_arrive_expect_tx(q_full(stage), Cfg::kQBytes + Cfg::kStatBytes);
+        for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+          ptx::tma_load_4d(sQ(stage) + panel * kBlockM * 128, &maps.q, q_full(stage), panel * 64, step.head,
+                           q_first, batch);
+        }
+        ptx::bulk_load(sLse(stage), p.lse_log2 + stats, Cfg::kStatBytes, q_full(stage));
+        if (use > 0) ptx::mbarrier_wait(do_empty(stage), (use - 1) & 1);
+        ptx::mbarrier_arrive_expect_tx(do_full(stage), Cfg::kQBytes + Cfg::kStatBytes);
+        for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+          ptx::tma_load_4d(sDo(stage) + panel * kBlockM * 128, &maps.dout, do_full(stage), panel * 64,
+                           step.head, q_first, batch);
+        }
+        ptx::bulk_load(sDelta(stage), p.delta + stats, Cfg::kStatBytes, do_full(stage));
+      }
+    }
+    return;
+  }
+
+  // Consumers: this one's keys are rows consumer * 64 .. + 63 of the K and V tiles.
+  ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int consumer = warp_group - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int key0 = k_first + consumer * 64;
+  // Accumulator element i of an m64nN tile: row (key, or query for dQ) warp * 16 + accum_row(i),
+  // column accum_col(i).
+  auto accum_row = [&](int i) { return ((i % 4) / 2) * 8 + lane / 4; };
+  auto accum_col = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
+  const float scale_log2 = p.scale * kLog2e;
+  // dQ: at H = 128 this consumer's 64 columns over all keys, at H = 64 all columns over its keys.
+  constexpr int kDqKeys = Cfg::kDqSplitsColumns ? kBlockN : 64;
+  const int dq_col0 = Cfg::kDqSplitsColumns ? consumer * 64 : 0;
+  const uint32_t ds_rows0 = Cfg::kDqSplitsColumns ? 0 : consumer * 64 * 128;
+  const uint32_t sDq = base_addr + Cfg::kDq + consumer * Cfg::kDqBytes;
+
+  float dk[kHeadDim / 2], dv[kHeadDim / 2];  // m64 x H: keys x columns
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
+
+  if (walk.steps > 0) ptx::mbarrier_wait(kv_full, 0);
+  BwdStep step{kv_head * group, walk.m_begin};
+  for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
+    const int stage = s % kStages, phase = (s / kStages) & 1;
+    const int q_first = step.m_block * kBlockM;
+    const uint32_t ds_buffer = sDs(s % 2);
+
+    // S^T = K Q^T and dP^T = V dO^T: k16 steps along the head dim, 4 per 64-column panel.
+    float st[32], dpt[32];
+    ptx::mbarrier_wait(q_full(stage), phase);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const uint32_t k_off = (ks / 4) * kBlockN * 128 + consumer * 64 * 128 + (ks % 4) * 32;
+      const uint32_t q_off = (ks / 4) * kBlockM * 128 + (ks % 4) * 32;
+      ptx::wgmma_ss(st, ptx::smem_desc_sw128(sK + k_off, 0), ptx::smem_desc_sw128(sQ(stage) + q_off, 0), ks > 0,
+                    T{});
+    }
+    ptx::wgmma_commit();
+    ptx::mbarrier_wait(do_full(stage), phase);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const uint32_t v_off = (ks / 4) * kBlockN * 128 + consumer * 64 * 128 + (ks % 4) * 32;
+      const uint32_t do_off = (ks / 4) * kBlockM * 128 + (ks % 4) * 32;
+      ptx::wgmma_ss(dpt, ptx::smem_desc_sw128(sV + v_off, 0), ptx::smem_desc_sw128(sDo(stage) + do_off, 0), ks > 0,
+                    T{});
+    }
+    ptx::wgmma_commit();
+
+    // P^T, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
+    ptx::wgmma_wait<1>();
+    ptx::fence_registers(st);
+    const float* lse = reinterpret_cast<const float*>(base + (sLse(stage) - base_addr));
+    const bool masked = !band.all_visible(q_first, q_first + kBlockM - 1, key0, key0 + 63);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      float x = st[i] * scale_log2 - lse[accum_col(i)];
+      if (masked && !band.visible(q_first + accum_col(i), key0 + warp * 16 + accum_row(i))) x = -INFINITY;
+      st[i] = ptx::exp2(x);
+    }
+    // As A operands of k16 steps over the step's queries: the accumulator and A layouts agree.
+    uint32_t pa[kBlockM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) pa[kk][j] = ptx::pack2<T>(st[8 * kk + 2 * j], st[8 * kk + 2 * j + 1]);
+
+    // dV += P^T dO: dO is MN-major here (queries are K, columns N), 16 queries a step.
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      ptx::wgmma_rs(dv, pa[kk], ptx::smem_desc_sw128(sDo(stage) + kk * 2048, kBlockM * 128), T{});
+    }
+    ptx::wgmma_commit();
+
+    // dS^T = P^T (dP^T - delta) * scale, from the 16-bit P (the precision dV used).
+    ptx::wgmma_wait<1>();
+    ptx::fence_registers(dpt);
+    const float* delta = reinterpret_cast<const float*>(base + (sDelta(stage) - base_addr));
+    uint32_t dsa[kBlockM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int i = 8 * kk + 2 * j;  // elements i, i + 1: one row, two adjacent queries
+        const float2 prob = ptx::unpack2<T>(pa[kk][j]);
+        const float2 d = *reinterpret_cast<const float2*>(delta + accum_col(i));
+        dsa[kk][j] = ptx::pack2<T>(prob.x * (dpt[i] - d.x) * p.scale, prob.y * (dpt[i + 1] - d.y) * p.scale);
+        // To shared memory for dQ: row = key (of the CTA's 128), 16-byte chunk = 8 queries.
+        const int row = consumer * 64 + warp * 16 + accum_row(i);
+        ptx::st_shared_b32(ds_buffer + row * 128 + (((i / 4) ^ (row % 8)) * 16) + (lane % 4) * 4, dsa[kk][j]);
+      }
+
+    // dK += dS^T Q: Q MN-major, as dO above.
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      ptx::wgmma_rs(dk, dsa[kk], ptx::smem_desc_sw128(sQ(stage) + kk * 2048, kBlockM * 128), T{});
+    }
+    ptx::wgmma_commit();
+
+    // dQ = dS K: dS^T (keys x queries in shared memory) is A MN-major, K is B MN-major.
+    ptx::fence_proxy_async_shared();  // the dS^T stores, before wgmma reads them
+    if constexpr (Cfg::kDqSplitsColumns) {
+      ptx::named_barrier_sync(3, kConsumerThreads);
+    } else {
+      ptx::named_barrier_sync(1 + consumer, 128);
+    }
+    float dq[32];
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kDqKeys / 16; ++ks) {
+      const uint64_t desc_ds = ptx::smem_desc_sw128(ds_buffer + ds_rows0 + ks * 2048, 0);
+      const uint64_t desc_k = ptx::smem_desc_sw128(sK + (dq_col0 / 64) * kBlockN * 128 + ds_rows0 + ks * 2048, 0);
+      ptx::wgmma_ss<1, 1>(dq, desc_ds, desc_k, ks > 0, T{});
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::fence_registers(dk);
+    ptx::fence_registers(dv);
+    ptx::fence_registers(dq);
+    ptx::fence_registers(pa);
+    ptx::fence_registers(dsa);
+    ptx::mbarrier_arrive(q_empty(stage));
+    ptx::mbarrier_arrive(do_empty(stage));
+
+    // dQ to shared memory (two 32-column panels, swizzled as the fp32 tensor map expects), then
+    // one thread adds it to the accumulator; TMA clips rows past seqlen_q.
+    if (tid == 0) ptx::tma_store_wait_read();  // the previous step's add has read sDq
+    ptx::named_barrier_sync(1 + consumer, 128);
+#pragma unroll
+    for (int i = 0; i < 32; i += 2) {
+      const int row = warp * 16 + accum_row(i), col = accum_col(i);
+      const uint32_t addr = sDq + (col / 32) * 64 * 128 + row * 128 + ((((col % 32) / 4) ^ (row % 8)) * 16) + (col % 4) * 4;
+      ptx::st_shared_f32x2(addr, dq[i], dq[i + 1]);
+    }
+    ptx::fence_proxy_async_shared();
+    ptx::named_barrier_sync(1 + consumer, 128);
+    if (tid == 0) {
+      for (int panel = 0; panel < 2; ++panel) {
+        ptx::tma_reduce_add_4d(&maps.dq_accum, sDq + panel * 64 * 128, dq_col0 + panel * 32, step.head, q_first,
+                               batch);
+      }
+      ptx::tma_store_commit();
+    }
+  }
+
+  // Epilogue: dK and dV as T into this consumer's rows of the K and V tiles (once both consumers
+  // are done reading them), then TMA stores, which clip rows past seqlen_k.
+  ptx::named_barrier_sync(3, kConsumerThreads);
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; i += 2) {
+    const int row = consumer * 64 + warp * 16 + accum_row(i), col = accum_col(i);
+    const uint32_t off = (col / 64) * kBlockN * 128 + row * 128 + ((((col % 64) / 8) ^ (row % 8)) * 16) + (lane % 4) * 4;
+    ptx::st_shared_b32(sK + off, ptx::pack2<T>(dk[i], dk[i + 1]));
+    ptx::st_shared_b32(sV + off, ptx::pack2<T>(dv[i], dv[i + 1]));
+  }
+  ptx::fence_proxy_async_shared();
+  ptx::named_barrier_sync(1 + consumer, 128);
+  if (tid == 0) {
+    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+      const uint32_t off = panel * kBlockN * 128 + consumer * 64 * 128;
+      ptx::tma_store_4d(&maps.dk, sK + off, panel * 64, kv_head, key0, batch);
+      ptx::tma_store_4d(&maps.dv, sV + off, panel * 64, kv_head, key0, batch);
+    }
+    ptx::tma_store_commit();
+    ptx::tma_store_wait_read();
+  }
+#endif
+}
+
+}  // namespace jax_flash::sm90
