@@ -3,8 +3,9 @@
 // A CTA owns kBlockN = 128 keys of one kv head and walks every query block that can see them
 // (common/bwd_walk.cuh), 64 query rows a step, keeping dK and dV of its keys in registers. Warp
 // group 0 is the producer: one thread copies K and V once, then each step's Q, dO, lse and delta
-// into kStages stages by TMA, completing on "full" mbarriers. Warp groups 1 and 2 are consumers of
-// 64 keys each. Per step a consumer computes, all by wgmma with fp32 accumulators:
+// into kStages stages by TMA, completing on "full" mbarriers; one thread of another warp adds the
+// consumers' dQ parts to global memory. Warp groups 1 and 2 are consumers of 64 keys each. Per
+// step a consumer computes, all by wgmma with fp32 accumulators:
 //   S^T  = K Q^T    and  dP^T = V dO^T      (both operands in shared memory)
 //   P^T  = exp2(S^T * scale * log2 e - lse_log2),  dS^T = P^T (dP^T - delta) * scale
 //   dV  += P^T dO   and  dK  += dS^T Q      (P^T, dS^T from registers)
@@ -12,8 +13,10 @@
 // Computing S and dP transposed (keys as rows) puts P^T and dS^T in registers in the layout of a
 // wgmma A operand, so dV and dK need no trip through shared memory; only dQ, whose rows are
 // queries, reads dS from there. dQ needs every key block's share: each consumer writes its
-// 64 x 64 fp32 part to shared memory and one thread adds it to the fp32 accumulator in global
-// memory with a TMA reduce-add (one bulk atomic per tile instead of one per element pair).
+// 64 x 64 fp32 part to shared memory (two buffers) and the producer's dQ thread adds it to the fp32
+// accumulator in global memory with a TMA reduce-add (one bulk atomic per tile instead of one per
+// element pair), so the consumers never wait for the adds. The next step's S is issued before the
+// last product of this one has finished, so that the tensor cores have work meanwhile.
 // At H = 128 the two consumers split dQ's columns (each over all 128 keys, so the dS^T of both
 // must be in shared memory: a barrier across the two); at H = 64 each takes all columns over its
 // own 64 keys (two reduces of 16 KB instead of one barrier).
@@ -45,6 +48,9 @@ struct BwdConfig {
   static_assert(kBlockM <= kStatsRowMultiple, "statistics rows are padded to whole query blocks");
   static constexpr int kStages = 2;
   static constexpr bool kDqSplitsColumns = kHeadDim == 128;
+  // Issue the next step's S^T and dP^T before this step's last product has finished. At H = 128
+  // the registers they hold across the loop make ptxas spill (dK and dV take 128 a thread).
+  static constexpr bool kIssueAhead = kHeadDim == 64;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
@@ -52,13 +58,14 @@ struct BwdConfig {
   static constexpr int kStatBytes = kBlockM * 4;           // one stage of lse_log2 or delta
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // dS^T, 128-byte rows of 64 queries
   static constexpr int kDqBytes = 64 * 64 * 4;             // a consumer's dQ part, two 32-column panels
+  static constexpr int kDqBuffers = 2;                     // per consumer
   // Offsets from the 1024-byte aligned base (the swizzle repeats every 1024 bytes).
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDo = kQ + kStages * kQBytes;
   static constexpr int kDs = kDo + kStages * kQBytes;  // two buffers: one step's dQ reads one
   static constexpr int kDq = kDs + 2 * kDsBytes;
-  static constexpr int kLse = kDq + kConsumers * kDqBytes, kDelta = kLse + kStages * kStatBytes;
+  static constexpr int kLse = kDq + kConsumers * kDqBuffers * kDqBytes, kDelta = kLse + kStages * kStatBytes;
   static constexpr int kBarriers = kDelta + kStages * kStatBytes;
-  static constexpr int kSmemBytes = kBarriers + 8 * (1 + 4 * kStages) + 1024;
+  static constexpr int kSmemBytes = kBarriers + 8 * (1 + 4 * kStages + 2 * kConsumers * kDqBuffers) + 1024;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
@@ -96,6 +103,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto do_full = [&](int stage) { return bars + 8 * (1 + kStages + stage); };
   auto q_empty = [&](int stage) { return bars + 8 * (1 + 2 * kStages + stage); };
   auto do_empty = [&](int stage) { return bars + 8 * (1 + 3 * kStages + stage); };
+  // dQ part buffers: "full" when a consumer has written one, "empty" when its add has read it.
+  constexpr int kDqSlots = Cfg::kConsumers * Cfg::kDqBuffers;
+  auto dq_full = [&](int consumer, int buffer) { return bars + 8 * (1 + 4 * kStages + consumer * 2 + buffer); };
+  auto dq_empty = [&](int consumer, int buffer) {
+    return bars + 8 * (1 + 4 * kStages + kDqSlots + consumer * 2 + buffer);
+  };
+  auto sDq = [&](int consumer, int buffer) {
+    return base_addr + Cfg::kDq + (consumer * Cfg::kDqBuffers + buffer) * Cfg::kDqBytes;
+  };
 
   const int n_block = blockIdx.x;
   const int batch = blockIdx.y / p.kv_heads, kv_head = blockIdx.y % p.kv_heads;
@@ -112,6 +128,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::mbarrier_init(q_empty(s), kConsumerThreads);
       ptx::mbarrier_init(do_empty(s), kConsumerThreads);
     }
+    for (int c = 0; c < Cfg::kConsumers; ++c)
+      for (int b = 0; b < Cfg::kDqBuffers; ++b) {
+        ptx::mbarrier_init(dq_full(c, b), 128);
+        ptx::mbarrier_init(dq_empty(c, b), 1);
+      }
     ptx::fence_barrier_init();
   }
   __syncthreads();
@@ -146,6 +167,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         ptx::bulk_load(sDelta(stage), p.delta + stats, Cfg::kStatBytes, do_full(stage));
       }
+    } else if (threadIdx.x == 32) {
+      // The dQ adds, in the consumers' order; TMA clips rows past seqlen_q.
+      BwdStep step{kv_head * group, walk.m_begin};
+      for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
+        const int buffer = s % Cfg::kDqBuffers, use = s / Cfg::kDqBuffers;
+        for (int c = 0; c < Cfg::kConsumers; ++c) {
+          ptx::mbarrier_wait(dq_full(c, buffer), use & 1);
+          const int col0 = Cfg::kDqSplitsColumns ? c * 64 : 0;
+          for (int panel = 0; panel < 2; ++panel) {
+            ptx::tma_reduce_add_4d(&maps.dq_accum, sDq(c, buffer) + panel * 64 * 128, col0 + panel * 32, step.head,
+                                   step.m_block * kBlockM, batch);
+          }
+        }
+        ptx::tma_store_commit();
+        ptx::tma_store_wait_read();
+        for (int c = 0; c < Cfg::kConsumers; ++c) ptx::mbarrier_arrive(dq_empty(c, buffer));
+      }
     }
     return;
   }
@@ -162,43 +200,48 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const float scale_log2 = p.scale * kLog2e;
   // dQ: at H = 128 this consumer's 64 columns over all keys, at H = 64 all columns over its keys.
   constexpr int kDqKeys = Cfg::kDqSplitsColumns ? kBlockN : 64;
-  const int dq_col0 = Cfg::kDqSplitsColumns ? consumer * 64 : 0;
+  const int dq_col0 = Cfg::kDqSplitsColumns ? consumer * 64 : 0;  // of K (the dQ thread adds there too)
   const uint32_t ds_rows0 = Cfg::kDqSplitsColumns ? 0 : consumer * 64 * 128;
-  const uint32_t sDq = base_addr + Cfg::kDq + consumer * Cfg::kDqBytes;
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];  // m64 x H: keys x columns
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
 
-  if (walk.steps > 0) ptx::mbarrier_wait(kv_full, 0);
+  // S^T = K Q^T or dP^T = V dO^T of step s issued: k16 steps along the head dim, 4 per 64-column
+  // panel; `keys` is K or V, `queries` the stage's Q or dO, `full` its barrier.
+  float st[32], dpt[32];
+  auto issue_transposed = [&](float (&acc)[32], uint32_t keys, uint32_t queries, uint32_t full, int s) {
+    ptx::mbarrier_wait(full, (s / kStages) & 1);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const uint32_t key_off = (ks / 4) * kBlockN * 128 + consumer * 64 * 128 + (ks % 4) * 32;
+      const uint32_t query_off = (ks / 4) * kBlockM * 128 + (ks % 4) * 32;
+      ptx::wgmma_ss(acc, ptx::smem_desc_sw128(keys + key_off, 0), ptx::smem_desc_sw128(queries + query_off, 0),
+                    ks > 0, T{});
+    }
+    ptx::wgmma_commit();
+  };
+  auto issue_s = [&](int s) { issue_transposed(st, sK, sQ(s % kStages), q_full(s % kStages), s); };
+  auto issue_dp = [&](int s) { issue_transposed(dpt, sV, sDo(s % kStages), do_full(s % kStages), s); };
+
+  if (walk.steps > 0) {
+    ptx::mbarrier_wait(kv_full, 0);
+    if constexpr (Cfg::kIssueAhead) {
+      issue_s(0);
+      issue_dp(0);
+    }
+  }
   BwdStep step{kv_head * group, walk.m_begin};
   for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
-    const int stage = s % kStages, phase = (s / kStages) & 1;
+    const int stage = s % kStages;
     const int q_first = step.m_block * kBlockM;
     const uint32_t ds_buffer = sDs(s % 2);
-
-    // S^T = K Q^T and dP^T = V dO^T: k16 steps along the head dim, 4 per 64-column panel.
-    float st[32], dpt[32];
-    ptx::mbarrier_wait(q_full(stage), phase);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      const uint32_t k_off = (ks / 4) * kBlockN * 128 + consumer * 64 * 128 + (ks % 4) * 32;
-      const uint32_t q_off = (ks / 4) * kBlockM * 128 + (ks % 4) * 32;
-      ptx::wgmma_ss(st, ptx::smem_desc_sw128(sK + k_off, 0), ptx::smem_desc_sw128(sQ(stage) + q_off, 0), ks > 0,
-                    T{});
+    const bool has_next = s + 1 < walk.steps;
+    if constexpr (!Cfg::kIssueAhead) {
+      issue_s(s);
+      issue_dp(s);
     }
-    ptx::wgmma_commit();
-    ptx::mbarrier_wait(do_full(stage), phase);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      const uint32_t v_off = (ks / 4) * kBlockN * 128 + consumer * 64 * 128 + (ks % 4) * 32;
-      const uint32_t do_off = (ks / 4) * kBlockM * 128 + (ks % 4) * 32;
-      ptx::wgmma_ss(dpt, ptx::smem_desc_sw128(sV + v_off, 0), ptx::smem_desc_sw128(sDo(stage) + do_off, 0), ks > 0,
-                    T{});
-    }
-    ptx::wgmma_commit();
 
     // P^T, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
     ptx::wgmma_wait<1>();
@@ -244,14 +287,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         ptx::st_shared_b32(ds_buffer + row * 128 + (((i / 4) ^ (row % 8)) * 16) + (lane % 4) * 4, dsa[kk][j]);
       }
 
-    // dK += dS^T Q: Q MN-major, as dO above.
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      ptx::wgmma_rs(dk, dsa[kk], ptx::smem_desc_sw128(sQ(stage) + kk * 2048, kBlockM * 128), T{});
-    }
-    ptx::wgmma_commit();
-
     // dQ = dS K: dS^T (keys x queries in shared memory) is A MN-major, K is B MN-major.
     ptx::fence_proxy_async_shared();  // the dS^T stores, before wgmma reads them
     if constexpr (Cfg::kDqSplitsColumns) {
@@ -268,34 +303,45 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::wgmma_ss<1, 1>(dq, desc_ds, desc_k, ks > 0, T{});
     }
     ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-    ptx::fence_registers(dk);
-    ptx::fence_registers(dv);
-    ptx::fence_registers(dq);
-    ptx::fence_registers(pa);
-    ptx::fence_registers(dsa);
-    ptx::mbarrier_arrive(q_empty(stage));
-    ptx::mbarrier_arrive(do_empty(stage));
 
-    // dQ to shared memory (two 32-column panels, swizzled as the fp32 tensor map expects), then
-    // one thread adds it to the accumulator; TMA clips rows past seqlen_q.
-    if (tid == 0) ptx::tma_store_wait_read();  // the previous step's add has read sDq
-    ptx::named_barrier_sync(1 + consumer, 128);
+    // dK += dS^T Q: Q MN-major, as dO above.
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      ptx::wgmma_rs(dk, dsa[kk], ptx::smem_desc_sw128(sQ(stage) + kk * 2048, kBlockM * 128), T{});
+    }
+    ptx::wgmma_commit();
+    // In flight: dV, dQ, dK. dQ goes out while dK runs; with kIssueAhead the next step's S^T is
+    // issued behind dK once dQ's registers are free.
+    ptx::wgmma_wait<1>();
+    ptx::fence_registers(dv);
+    ptx::fence_registers(pa);
+    ptx::fence_registers(dq);
+
+    // dQ to shared memory (two 32-column panels, swizzled as the fp32 tensor map expects), for the
+    // producer's dQ thread to add.
+    const int dq_buffer = s % Cfg::kDqBuffers, dq_use = s / Cfg::kDqBuffers;
+    if (dq_use > 0) ptx::mbarrier_wait(dq_empty(consumer, dq_buffer), (dq_use - 1) & 1);
+    const uint32_t sDq_part = sDq(consumer, dq_buffer);
 #pragma unroll
     for (int i = 0; i < 32; i += 2) {
       const int row = warp * 16 + accum_row(i), col = accum_col(i);
-      const uint32_t addr = sDq + (col / 32) * 64 * 128 + row * 128 + ((((col % 32) / 4) ^ (row % 8)) * 16) + (col % 4) * 4;
+      const uint32_t addr = sDq_part + (col / 32) * 64 * 128 + row * 128 + ((((col % 32) / 4) ^ (row % 8)) * 16) + (col % 4) * 4;
       ptx::st_shared_f32x2(addr, dq[i], dq[i + 1]);
     }
     ptx::fence_proxy_async_shared();
-    ptx::named_barrier_sync(1 + consumer, 128);
-    if (tid == 0) {
-      for (int panel = 0; panel < 2; ++panel) {
-        ptx::tma_reduce_add_4d(&maps.dq_accum, sDq + panel * 64 * 128, dq_col0 + panel * 32, step.head, q_first,
-                               batch);
-      }
-      ptx::tma_store_commit();
+    ptx::mbarrier_arrive(dq_full(consumer, dq_buffer));
+
+    if (Cfg::kIssueAhead && has_next) {
+      issue_s(s + 1);
+      ptx::wgmma_wait<1>();
+    } else {
+      ptx::wgmma_wait<0>();
     }
+    ptx::fence_registers(dk);
+    ptx::fence_registers(dsa);
+    ptx::mbarrier_arrive(q_empty(stage));
+    ptx::mbarrier_arrive(do_empty(stage));
+    if (Cfg::kIssueAhead && has_next) issue_dp(s + 1);
   }
 
   // Epilogue: dK and dV as T into this consumer's rows of the K and V tiles (once both consumers
