@@ -15,8 +15,7 @@
 // queries, reads dS from there. dQ needs every key block's share: each consumer writes its
 // 64 x 64 fp32 part to shared memory (two buffers) and the producer's dQ thread adds it to the fp32
 // accumulator in global memory with a TMA reduce-add (one bulk atomic per tile instead of one per
-// element pair), so the consumers never wait for the adds. The next step's S is issued before the
-// last product of this one has finished, so that the tensor cores have work meanwhile.
+// element pair), so the consumers never wait for the adds.
 // At H = 128 the two consumers split dQ's columns (each over all 128 keys, so the dS^T of both
 // must be in shared memory: a barrier across the two); at H = 64 each takes all columns over its
 // own 64 keys (two reduces of 16 KB instead of one barrier).
@@ -44,25 +43,30 @@ struct BwdConfig {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "dK and dV (64 x H fp32 each) fill a consumer's registers");
   static constexpr int kConsumers = 2;  // warp groups of 64 keys
   static constexpr int kBlockN = 64 * kConsumers;
-  static constexpr int kBlockM = 64;  // query rows a step
+  // Query rows a step: 128 at H = 64, where the products of 64 rows are too small to keep the
+  // tensor cores busy (S^T then takes 64 registers, which H = 128's dK and dV leave no room for).
+  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
   static_assert(kBlockM <= kStatsRowMultiple, "statistics rows are padded to whole query blocks");
   static constexpr int kStages = 2;
+  // dQ at H = 128: each consumer 64 columns over all keys (one add of 64 x 64, but a barrier for
+  // both consumers' dS^T); at H = 64 all columns over its own keys.
   static constexpr bool kDqSplitsColumns = kHeadDim == 128;
-  // Issue the next step's S^T and dP^T before this step's last product has finished. At H = 128
-  // the registers they hold across the loop make ptxas spill (dK and dV take 128 a thread).
-  static constexpr bool kIssueAhead = kHeadDim == 64;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one stage of Q or dO
   static constexpr int kStatBytes = kBlockM * 4;           // one stage of lse_log2 or delta
-  static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // dS^T, 128-byte rows of 64 queries
-  static constexpr int kDqBytes = 64 * 64 * 4;             // a consumer's dQ part, two 32-column panels
-  static constexpr int kDqBuffers = 2;                     // per consumer
+  // dS^T: 64-query panels of 128-byte rows (keys). Two buffers where dQ reads the other
+  // consumer's rows (one step's dQ may still read one while the next step writes the other).
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;
+  static constexpr int kDsBuffers = kDqSplitsColumns ? 2 : 1;
+  // A consumer's dQ part: kBlockM rows x 64 columns fp32, two 32-column panels.
+  static constexpr int kDqBytes = kBlockM * 64 * 4;
+  static constexpr int kDqBuffers = kBlockM == 64 ? 2 : 1;  // per consumer, as shared memory allows
   // Offsets from the 1024-byte aligned base (the swizzle repeats every 1024 bytes).
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDo = kQ + kStages * kQBytes;
-  static constexpr int kDs = kDo + kStages * kQBytes;  // two buffers: one step's dQ reads one
-  static constexpr int kDq = kDs + 2 * kDsBytes;
+  static constexpr int kDs = kDo + kStages * kQBytes;
+  static constexpr int kDq = kDs + kDsBuffers * kDsBytes;
   static constexpr int kLse = kDq + kConsumers * kDqBuffers * kDqBytes, kDelta = kLse + kStages * kStatBytes;
   static constexpr int kBarriers = kDelta + kStages * kStatBytes;
   static constexpr int kSmemBytes = kBarriers + 8 * (1 + 4 * kStages + 2 * kConsumers * kDqBuffers) + 1024;
@@ -72,7 +76,7 @@ struct BwdConfig {
 };
 
 // [batch, row, head, column] views (tensor_map.h): q and dO in boxes of kBlockM rows, k and v of
-// kBlockN, dk and dv of 64 (a consumer's), the fp32 dQ accumulator of 64 rows x 32 columns.
+// kBlockN, dk and dv of 64 (a consumer's), the fp32 dQ accumulator of kBlockM rows x 32 columns.
 struct BwdTensorMaps {
   CUtensorMap q, dout, k, v, dk, dv, dq_accum;
 };
@@ -94,7 +98,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const uint32_t sK = base_addr + Cfg::kK, sV = base_addr + Cfg::kV;
   auto sQ = [&](int stage) { return base_addr + Cfg::kQ + stage * Cfg::kQBytes; };
   auto sDo = [&](int stage) { return base_addr + Cfg::kDo + stage * Cfg::kQBytes; };
-  auto sDs = [&](int buffer) { return base_addr + Cfg::kDs + buffer * Cfg::kDsBytes; };
+  auto sDs = [&](int s) { return base_addr + Cfg::kDs + (s % Cfg::kDsBuffers) * Cfg::kDsBytes; };
   auto sLse = [&](int stage) { return base_addr + Cfg::kLse + stage * Cfg::kStatBytes; };
   auto sDelta = [&](int stage) { return base_addr + Cfg::kDelta + stage * Cfg::kStatBytes; };
   const uint32_t bars = base_addr + Cfg::kBarriers;
@@ -105,9 +109,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto do_empty = [&](int stage) { return bars + 8 * (1 + 3 * kStages + stage); };
   // dQ part buffers: "full" when a consumer has written one, "empty" when its add has read it.
   constexpr int kDqSlots = Cfg::kConsumers * Cfg::kDqBuffers;
-  auto dq_full = [&](int consumer, int buffer) { return bars + 8 * (1 + 4 * kStages + consumer * 2 + buffer); };
+  auto dq_full = [&](int consumer, int buffer) {
+    return bars + 8 * (1 + 4 * kStages + consumer * Cfg::kDqBuffers + buffer);
+  };
   auto dq_empty = [&](int consumer, int buffer) {
-    return bars + 8 * (1 + 4 * kStages + kDqSlots + consumer * 2 + buffer);
+    return bars + 8 * (1 + 4 * kStages + kDqSlots + consumer * Cfg::kDqBuffers + buffer);
   };
   auto sDq = [&](int consumer, int buffer) {
     return base_addr + Cfg::kDq + (consumer * Cfg::kDqBuffers + buffer) * Cfg::kDqBytes;
@@ -176,8 +182,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           ptx::mbarrier_wait(dq_full(c, buffer), use & 1);
           const int col0 = Cfg::kDqSplitsColumns ? c * 64 : 0;
           for (int panel = 0; panel < 2; ++panel) {
-            ptx::tma_reduce_add_4d(&maps.dq_accum, sDq(c, buffer) + panel * 64 * 128, col0 + panel * 32, step.head,
-                                   step.m_block * kBlockM, batch);
+            ptx::tma_reduce_add_4d(&maps.dq_accum, sDq(c, buffer) + panel * kBlockM * 128, col0 + panel * 32,
+                                   step.head, step.m_block * kBlockM, batch);
           }
         }
         ptx::tma_store_commit();
@@ -209,8 +215,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   // S^T = K Q^T or dP^T = V dO^T of step s issued: k16 steps along the head dim, 4 per 64-column
   // panel; `keys` is K or V, `queries` the stage's Q or dO, `full` its barrier.
-  float st[32], dpt[32];
-  auto issue_transposed = [&](float (&acc)[32], uint32_t keys, uint32_t queries, uint32_t full, int s) {
+  constexpr int kSRegs = kBlockM / 2;  // 64 keys x kBlockM queries
+  auto issue_transposed = [&](float (&acc)[kSRegs], uint32_t keys, uint32_t queries, uint32_t full, int s) {
     ptx::mbarrier_wait(full, (s / kStages) & 1);
     ptx::wgmma_fence();
 #pragma unroll
@@ -222,26 +228,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     ptx::wgmma_commit();
   };
-  auto issue_s = [&](int s) { issue_transposed(st, sK, sQ(s % kStages), q_full(s % kStages), s); };
-  auto issue_dp = [&](int s) { issue_transposed(dpt, sV, sDo(s % kStages), do_full(s % kStages), s); };
 
-  if (walk.steps > 0) {
-    ptx::mbarrier_wait(kv_full, 0);
-    if constexpr (Cfg::kIssueAhead) {
-      issue_s(0);
-      issue_dp(0);
-    }
-  }
+  if (walk.steps > 0) ptx::mbarrier_wait(kv_full, 0);
   BwdStep step{kv_head * group, walk.m_begin};
   for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
     const int stage = s % kStages;
     const int q_first = step.m_block * kBlockM;
-    const uint32_t ds_buffer = sDs(s % 2);
-    const bool has_next = s + 1 < walk.steps;
-    if constexpr (!Cfg::kIssueAhead) {
-      issue_s(s);
-      issue_dp(s);
-    }
+    const uint32_t ds_buffer = sDs(s);
+    float st[kSRegs], dpt[kSRegs];
+    issue_transposed(st, sK, sQ(stage), q_full(stage), s);
+    issue_transposed(dpt, sV, sDo(stage), do_full(stage), s);
 
     // P^T, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
     ptx::wgmma_wait<1>();
@@ -249,7 +245,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const float* lse = reinterpret_cast<const float*>(base + (sLse(stage) - base_addr));
     const bool masked = !band.all_visible(q_first, q_first + kBlockM - 1, key0, key0 + 63);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
+    for (int i = 0; i < kSRegs; ++i) {
       float x = st[i] * scale_log2 - lse[accum_col(i)];
       if (masked && !band.visible(q_first + accum_col(i), key0 + warp * 16 + accum_row(i))) x = -INFINITY;
       st[i] = ptx::exp2(x);
@@ -283,25 +279,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const float2 d = *reinterpret_cast<const float2*>(delta + accum_col(i));
         dsa[kk][j] = ptx::pack2<T>(prob.x * (dpt[i] - d.x) * p.scale, prob.y * (dpt[i + 1] - d.y) * p.scale);
         // To shared memory for dQ: row = key (of the CTA's 128), 16-byte chunk = 8 queries.
-        const int row = consumer * 64 + warp * 16 + accum_row(i);
-        ptx::st_shared_b32(ds_buffer + row * 128 + (((i / 4) ^ (row % 8)) * 16) + (lane % 4) * 4, dsa[kk][j]);
+        const int row = consumer * 64 + warp * 16 + accum_row(i), chunk = i / 4;
+        ptx::st_shared_b32(ds_buffer + (chunk / 8) * kBlockN * 128 + row * 128 + (((chunk % 8) ^ (row % 8)) * 16) +
+                               (lane % 4) * 4,
+                           dsa[kk][j]);
       }
 
-    // dQ = dS K: dS^T (keys x queries in shared memory) is A MN-major, K is B MN-major.
+    // dQ = dS K, 64 queries at a time: dS^T (keys x queries in shared memory) is A MN-major, K is
+    // B MN-major.
     ptx::fence_proxy_async_shared();  // the dS^T stores, before wgmma reads them
     if constexpr (Cfg::kDqSplitsColumns) {
       ptx::named_barrier_sync(3, kConsumerThreads);
     } else {
       ptx::named_barrier_sync(1 + consumer, 128);
     }
-    float dq[32];
+    float dq[kBlockM / 64][32];
     ptx::wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < kDqKeys / 16; ++ks) {
-      const uint64_t desc_ds = ptx::smem_desc_sw128(ds_buffer + ds_rows0 + ks * 2048, 0);
-      const uint64_t desc_k = ptx::smem_desc_sw128(sK + (dq_col0 / 64) * kBlockN * 128 + ds_rows0 + ks * 2048, 0);
-      ptx::wgmma_ss<1, 1>(dq, desc_ds, desc_k, ks > 0, T{});
-    }
+    for (int mt = 0; mt < kBlockM / 64; ++mt)
+#pragma unroll
+      for (int ks = 0; ks < kDqKeys / 16; ++ks) {
+        const uint64_t desc_ds = ptx::smem_desc_sw128(ds_buffer + mt * kBlockN * 128 + ds_rows0 + ks * 2048, 0);
+        const uint64_t desc_k = ptx::smem_desc_sw128(sK + (dq_col0 / 64) * kBlockN * 128 + ds_rows0 + ks * 2048, 0);
+        ptx::wgmma_ss<1, 1>(dq[mt], desc_ds, desc_k, ks > 0, T{});
+      }
     ptx::wgmma_commit();
 
     // dK += dS^T Q: Q MN-major, as dO above.
@@ -310,12 +311,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::wgmma_rs(dk, dsa[kk], ptx::smem_desc_sw128(sQ(stage) + kk * 2048, kBlockM * 128), T{});
     }
     ptx::wgmma_commit();
-    // In flight: dV, dQ, dK. dQ goes out while dK runs; with kIssueAhead the next step's S^T is
-    // issued behind dK once dQ's registers are free.
+    // In flight: dV, dQ, dK. dQ goes out while dK runs.
     ptx::wgmma_wait<1>();
     ptx::fence_registers(dv);
     ptx::fence_registers(pa);
-    ptx::fence_registers(dq);
+#pragma unroll
+    for (int mt = 0; mt < kBlockM / 64; ++mt) ptx::fence_registers(dq[mt]);
 
     // dQ to shared memory (two 32-column panels, swizzled as the fp32 tensor map expects), for the
     // producer's dQ thread to add.
@@ -323,25 +324,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (dq_use > 0) ptx::mbarrier_wait(dq_empty(consumer, dq_buffer), (dq_use - 1) & 1);
     const uint32_t sDq_part = sDq(consumer, dq_buffer);
 #pragma unroll
-    for (int i = 0; i < 32; i += 2) {
-      const int row = warp * 16 + accum_row(i), col = accum_col(i);
-      const uint32_t addr = sDq_part + (col / 32) * 64 * 128 + row * 128 + ((((col % 32) / 4) ^ (row % 8)) * 16) + (col % 4) * 4;
-      ptx::st_shared_f32x2(addr, dq[i], dq[i + 1]);
-    }
+    for (int mt = 0; mt < kBlockM / 64; ++mt)
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) {
+        const int row = mt * 64 + warp * 16 + accum_row(i), col = accum_col(i);
+        const uint32_t addr = sDq_part + (col / 32) * kBlockM * 128 + row * 128 +
+                              ((((col % 32) / 4) ^ (row % 8)) * 16) + (col % 4) * 4;
+        ptx::st_shared_f32x2(addr, dq[mt][i], dq[mt][i + 1]);
+      }
     ptx::fence_proxy_async_shared();
     ptx::mbarrier_arrive(dq_full(consumer, dq_buffer));
 
-    if (Cfg::kIssueAhead && has_next) {
-      issue_s(s + 1);
-      ptx::wgmma_wait<1>();
-    } else {
-      ptx::wgmma_wait<0>();
-    }
+    ptx::wgmma_wait<0>();
     ptx::fence_registers(dk);
     ptx::fence_registers(dsa);
     ptx::mbarrier_arrive(q_empty(stage));
     ptx::mbarrier_arrive(do_empty(stage));
-    if (Cfg::kIssueAhead && has_next) issue_dp(s + 1);
   }
 
   // Epilogue: dK and dV as T into this consumer's rows of the K and V tiles (once both consumers
