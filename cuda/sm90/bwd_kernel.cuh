@@ -238,17 +238,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     float st[kSRegs], dpt[kSRegs];
     issue_transposed(st, sK, sQ(stage), q_full(stage), s);
     issue_transposed(dpt, sV, sDo(stage), do_full(stage), s);
+    // This thread's columns' statistics (two adjacent queries per n8 tile), read while the
+    // products run: stats(stage base)[n] = values of columns accum_col(4 n), accum_col(4 n) + 1.
+    auto load_stats = [&](uint32_t stats, float2 (&v)[kBlockM / 8]) {
+      const float* f = reinterpret_cast<const float*>(base + (stats - base_addr));
+#pragma unroll
+      for (int n = 0; n < kBlockM / 8; ++n) v[n] = *reinterpret_cast<const float2*>(f + accum_col(4 * n));
+    };
+    float2 lse[kBlockM / 8];
+    load_stats(sLse(stage), lse);
 
     // P^T, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
     ptx::wgmma_wait<1>();
     ptx::fence_registers(st);
-    const float* lse = reinterpret_cast<const float*>(base + (sLse(stage) - base_addr));
-    const bool masked = !band.all_visible(q_first, q_first + kBlockM - 1, key0, key0 + 63);
+    if (!band.all_visible(q_first, q_first + kBlockM - 1, key0, key0 + 63)) {
+#pragma unroll
+      for (int i = 0; i < kSRegs; ++i) {
+        if (!band.visible(q_first + accum_col(i), key0 + warp * 16 + accum_row(i))) st[i] = -INFINITY;
+      }
+    }
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) {
-      float x = st[i] * scale_log2 - lse[accum_col(i)];
-      if (masked && !band.visible(q_first + accum_col(i), key0 + warp * 16 + accum_row(i))) x = -INFINITY;
-      st[i] = ptx::exp2(x);
+      st[i] = ptx::exp2(st[i] * scale_log2 - (i % 2 ? lse[i / 4].y : lse[i / 4].x));
     }
     // As A operands of k16 steps over the step's queries: the accumulator and A layouts agree.
     uint32_t pa[kBlockM / 16][4];
@@ -256,6 +267,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int kk = 0; kk < kBlockM / 16; ++kk)
 #pragma unroll
       for (int j = 0; j < 4; ++j) pa[kk][j] = ptx::pack2<T>(st[8 * kk + 2 * j], st[8 * kk + 2 * j + 1]);
+
+    float2 delta[kBlockM / 8];
+    load_stats(sDelta(stage), delta);
 
     // dV += P^T dO: dO is MN-major here (queries are K, columns N), 16 queries a step.
     ptx::wgmma_fence();
@@ -268,7 +282,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // dS^T = P^T (dP^T - delta) * scale, from the 16-bit P (the precision dV used).
     ptx::wgmma_wait<1>();
     ptx::fence_registers(dpt);
-    const float* delta = reinterpret_cast<const float*>(base + (sDelta(stage) - base_addr));
     uint32_t dsa[kBlockM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk)
@@ -276,7 +289,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int j = 0; j < 4; ++j) {
         const int i = 8 * kk + 2 * j;  // elements i, i + 1: one row, two adjacent queries
         const float2 prob = ptx::unpack2<T>(pa[kk][j]);
-        const float2 d = *reinterpret_cast<const float2*>(delta + accum_col(i));
+        const float2 d = delta[i / 4];
         dsa[kk][j] = ptx::pack2<T>(prob.x * (dpt[i] - d.x) * p.scale, prob.y * (dpt[i + 1] - d.y) * p.scale);
         // To shared memory for dQ: row = key (of the CTA's 128), 16-byte chunk = 8 queries.
         const int row = consumer * 64 + warp * 16 + accum_row(i), chunk = i / 4;
