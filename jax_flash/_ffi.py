@@ -73,6 +73,19 @@ def kernel_family() -> int:
     return _KERNEL_FAMILIES[name]
 
 
+# Bit-reproducible gradients (read when a call is traced): "1" makes the backward kernels add their
+# dQ parts in a fixed order (key block after key block) instead of as they finish; a few percent
+# slower. "0" (default) or unset: any order.
+DETERMINISTIC_ENV = "JAX_FLASH_DETERMINISTIC"
+
+
+def deterministic() -> bool:
+    value = os.environ.get(DETERMINISTIC_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{DETERMINISTIC_ENV} must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
 def forward(config, q, k, v):
     """(out [B, T, N, H], lse [B, N, T] float32) from the forward kernel; under vmap, one call
     with the mapped axis folded into the batch or the heads (_batching.py)."""
@@ -91,21 +104,23 @@ def backward(config, q, k, v, out, lse, d_out, d_lse):
     """(dq, dk, dv) from the backward kernels; lse and d_lse are [B, N, T] float32. Under vmap,
     one call with the mapped axis folded into the batch."""
     register_targets()
-    attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()))
+    attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()), deterministic=np.int32(deterministic()))
 
     def run(q, k, v, out, lse, d_out, d_lse):
         b, t, n, _ = q.shape
         # Per-row statistics scratch, rows padded to whole query blocks (cuda/common/params.h).
-        stats = jax.ShapeDtypeStruct((b, n, -(-t // _STATS_ROW_MULTIPLE) * _STATS_ROW_MULTIPLE), jnp.float32)
+        padded_t = -(-t // _STATS_ROW_MULTIPLE) * _STATS_ROW_MULTIPLE
+        stats = jax.ShapeDtypeStruct((b, n, padded_t), jnp.float32)
         result_types = (
             jax.ShapeDtypeStruct(q.shape, jnp.float32),  # dQ accumulator, filled with atomics
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             stats,  # delta = rowsum(dO * O) - dlse
             stats,  # lse in base 2
+            jax.ShapeDtypeStruct((b, n, padded_t // 64), jnp.int32),  # dQ turn counters (deterministic mode)
         )
         return jax.ffi.ffi_call("jax_flash_bwd", result_types)(q, k, v, out, lse, d_out, d_lse, **attrs)
 
-    dq_accum, dk, dv, _, _ = _batching.fold_into_batch(run)(q, k, v, out, lse.astype(jnp.float32), d_out,
+    dq_accum, dk, dv, *_ = _batching.fold_into_batch(run)(q, k, v, out, lse.astype(jnp.float32), d_out,
                                                           d_lse.astype(jnp.float32))  # fmt: skip
     return dq_accum.astype(q.dtype), dk, dv

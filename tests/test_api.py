@@ -139,3 +139,18 @@ def test_unknown_kernel_family_names_the_variable(monkeypatch):
     monkeypatch.setenv(_ffi.KERNELS_ENV, "sm90")
     with pytest.raises(ValueError, match="JAX_FLASH_KERNELS must be one of"):
         _ffi.kernel_family()
+
+
+@pytest.mark.parametrize("value,expected", [(None, False), ("0", False), ("1", True)])
+def test_deterministic_switch_from_the_environment(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv(_ffi.DETERMINISTIC_ENV, raising=False)
+    else:
+        monkeypatch.setenv(_ffi.DETERMINISTIC_ENV, value)
+    assert _ffi.deterministic() is expected
+
+
+def test_unknown_deterministic_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv(_ffi.DETERMINISTIC_ENV, "yes")
+    with pytest.raises(ValueError, match="JAX_FLASH_DETERMINISTIC must be '0' or '1'"):
+        _ffi.deterministic()

@@ -1,5 +1,5 @@
-// The first kernel of every backward: the per-row statistics the main kernels read, and a zeroed
-// dQ accumulator (XLA hands us uninitialised output buffers).
+// The first kernel of every backward: the per-row statistics the main kernels read, a zeroed dQ
+// accumulator and zeroed dQ turn counters (XLA hands us uninitialised output buffers).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,6 +24,7 @@ __global__ void __launch_bounds__(128) bwd_preprocess(const BwdParams p) {
   if (row >= int64_t(p.batch) * p.heads * p.stats_stride) return;
   const int q = row % p.stats_stride;
   const int64_t batch_head = row / p.stats_stride;
+  if (p.dq_turns != nullptr && q % 64 == 0 && lane == 0) p.dq_turns[row / 64] = 0;
   if (q >= p.seqlen_q) {
     if (lane == 0) p.delta[row] = 0.f, p.lse_log2[row] = INFINITY;
     return;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "common/mask.cuh"
+#include "common/ptx.cuh"
 
 namespace jax_flash {
 
@@ -18,13 +19,45 @@ struct BwdWalk {
   }
 };
 
-// A step of the walk; counted rather than divided out of the step index (an integer division per
-// step showed in profiles).
+// The first key block whose walk includes query block m. The key blocks that visit m are
+// contiguous (m_begin and m_end never decrease with the key block), so the deterministic dQ order
+// gives key block n the turn n - first_key_block(m).
+__device__ inline int first_key_block(const Band& band, int m, int seqlen_q, int seqlen_k, int block_m,
+                                      int block_n) {
+  int lo = 0, hi = (seqlen_k + block_n - 1) / block_n - 1;  // the answer is in [lo, hi]
+  while (lo < hi) {
+    const int n = (lo + hi) / 2;
+    const int k_last = min((n + 1) * block_n, seqlen_k) - 1;
+    const int m_end = (band.query_end(k_last, seqlen_q) + block_m - 1) / block_m;
+    if (m_end > m) hi = n; else lo = n + 1;
+  }
+  return lo;
+}
+
+// Deterministic dQ (BwdParams::dq_turns): the counter of query block m of one (batch, head) row of
+// counters, and the wait for key block n's turn there. Not inlined: it runs only in deterministic
+// mode and should not cost the main loop registers.
+__device__ __noinline__ inline int* wait_dq_turn(int* turns_row, Band band, int m, int n, int seqlen_q,
+                                                 int seqlen_k, int block_m, int block_n) {
+  int* turn = turns_row + m * (block_m / 64);
+  const int mine = n - first_key_block(band, m, seqlen_q, seqlen_k, block_m, block_n);
+  while (ptx::ld_acquire(turn) != mine) {
+  }
+  return turn;
+}
+
+// A step of the walk: query blocks from the last down, head after head. Counted rather than
+// divided out of the step index (an integer division per step showed in profiles). From the last
+// block down, every key block reaches a query block after the same number of steps (their walks
+// all end at m_end - 1 unless a window bounds them), so in deterministic mode a key block's turn
+// comes without waiting for a longer walk to catch up (walking up, key block n of a causal mask
+// would wait about 2n steps for key block 0).
 struct BwdStep {
   int head, m_block;
 
+  __device__ static BwdStep first(const BwdWalk& walk, int head) { return {head, walk.m_end - 1}; }
   __device__ void advance(const BwdWalk& walk) {
-    if (++m_block == walk.m_end) m_block = walk.m_begin, ++head;
+    if (--m_block < walk.m_begin) m_block = walk.m_end - 1, ++head;
   }
 };
 

@@ -37,6 +37,10 @@ struct BwdParams : FwdParams {
   float* delta;     // rowsum(dO * O) - dlse, the softmax backward's per-row term; 0 past T
   float* lse_log2;  // lse * log2(e), +inf for empty rows and past T (so that P = 0 there)
   int stats_stride;
+  // Deterministic dQ: [B, N, stats_stride / 64] int32 scratch, one counter per 64 query rows,
+  // zeroed by bwd_preprocess; the key blocks add their dQ parts of a query block in key-block
+  // order (bwd_walk.cuh). nullptr: in any order (faster, not bit-reproducible).
+  int* dq_turns;
 };
 
 }  // namespace jax_flash

@@ -125,6 +125,17 @@ __device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
 #endif
 }
 
+// A counter other CTAs wait on: read with acquire, add with release (device scope), so that the
+// writes before the add are visible to whoever reads the new value.
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ float exp2(float x) { return exp2f(x); }  // ex2.approx with fast math
 
 }  // namespace jax_flash::ptx

@@ -106,7 +106,8 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::Buffer<ffi::F32> dlse, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
                     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                     ffi::Result<ffi::Buffer<ffi::F32>> delta, ffi::Result<ffi::Buffer<ffi::F32>> lse_log2,
-                    float scale, int32_t window_left, int32_t window_right, int32_t kernels) {
+                    ffi::Result<ffi::Buffer<ffi::S32>> dq_turns, float scale, int32_t window_left,
+                    int32_t window_right, int32_t kernels, int32_t deterministic) {
   BwdParams p{};
   DType dtype;
   if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p); e.failure()) return e;
@@ -132,6 +133,12 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   p.delta = delta->typed_data();
   p.lse_log2 = lse_log2->typed_data();
   p.stats_stride = static_cast<int>(sd[2]);
+  const auto td = dq_turns->dimensions();
+  if (td.size() != 3 || td[0] != sd[0] || td[1] != sd[1] || td[2] != sd[2] / 64) {
+    return ffi::Error::InvalidArgument("jax_flash: the dq_turns scratch must be [B, N, padded T / 64], got " +
+                                       shape_string(td));
+  }
+  p.dq_turns = deterministic != 0 ? dq_turns->typed_data() : nullptr;
   if (ffi::Error e = check_kernel_family(kernels); e.failure()) return e;
   return launch_status(run_bwd(dtype, p, KernelFamily(kernels), stream), "backward");
 }
@@ -168,10 +175,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl,
                                   .Ret<ffi::AnyBuffer>()  // dV
                                   .Ret<ffi::Buffer<ffi::F32>>()  // delta scratch [B, N, T padded]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse_log2 scratch [B, N, T padded]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // dq_turns scratch [B, N, T padded / 64]
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("window_left")
                                   .Attr<int32_t>("window_right")
-                                  .Attr<int32_t>("kernels"),  // KernelFamily
+                                  .Attr<int32_t>("kernels")  // KernelFamily
+                                  .Attr<int32_t>("deterministic"),  // 1: dQ parts added in a fixed order
                               {ffi::Traits::kCmdBufferCompatible});
 
 namespace jax_flash {

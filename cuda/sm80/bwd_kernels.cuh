@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
                                                keys_valid, tid);
   load_tile_async<KTile, Cfg::kThreads, false>(sV, static_cast<const T*>(p.v) + kv_offset, kv_row_stride,
                                                keys_valid, tid);
-  BwdStep cur{kv_head * group, walk.m_begin}, next = cur;
+  BwdStep cur = BwdStep::first(walk, kv_head * group), next = cur;
   next.advance(walk);
   if (steps > 0) prefetch(cur, 0);
   ptx::cp_async_commit();
@@ -258,6 +258,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
           }
         }
       }
+      // Deterministic mode: this key block's turn at the query block (common/bwd_walk.cuh).
+      int* turn = nullptr;
+      if (p.dq_turns != nullptr) {
+        if (tid == 0) {
+          turn = wait_dq_turn(p.dq_turns + (int64_t(batch) * p.heads + head) * (p.stats_stride / 64), band,
+                              q_first / kBlockM, n_block, p.seqlen_q, p.seqlen_k, kBlockM, kBlockN);
+        }
+        __syncthreads();
+      }
       float* dq = p.dq_accum + (int64_t(batch) * p.seqlen_q + q_first) * q_row_stride + head * kHeadDim + dq_d;
 #pragma unroll
       for (int mt = 0; mt < kDqMTiles; ++mt)
@@ -271,6 +280,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
                                  acc_dq[mt][d][2 * r + 1]);
           }
         }
+      if (p.dq_turns != nullptr) {
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) ptx::red_release_add(turn, 1);
+      }
     }
   }
   ptx::cp_async_wait<0>();

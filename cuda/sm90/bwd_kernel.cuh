@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         ptx::tma_load_4d(sK + panel * kBlockN * 128, &maps.k, kv_full, panel * 64, kv_head, k_first, batch);
         ptx::tma_load_4d(sV + panel * kBlockN * 128, &maps.v, kv_full, panel * 64, kv_head, k_first, batch);
       }
-      BwdStep step{kv_head * group, walk.m_begin};
+      BwdStep step = BwdStep::first(walk, kv_head * group);
       for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
         const int stage = s % kStages, use = s / kStages;
         const int q_first = step.m_block * kBlockM;
@@ -174,10 +174,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         ptx::bulk_load(sDelta(stage), p.delta + stats, Cfg::kStatBytes, do_full(stage));
       }
     } else if (threadIdx.x == 32) {
-      // The dQ adds, in the consumers' order; TMA clips rows past seqlen_q.
-      BwdStep step{kv_head * group, walk.m_begin};
+      // The dQ adds, in the consumers' order; TMA clips rows past seqlen_q. In deterministic mode
+      // each waits for the turn of this key block (common/bwd_walk.cuh) and is complete before
+      // the turn passes on.
+      BwdStep step = BwdStep::first(walk, kv_head * group);
       for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
         const int buffer = s % Cfg::kDqBuffers, use = s / Cfg::kDqBuffers;
+        int* turn = nullptr;
+        if (p.dq_turns != nullptr) {
+          turn = wait_dq_turn(p.dq_turns + (int64_t(batch) * p.heads + step.head) * (p.stats_stride / 64), band,
+                              step.m_block, n_block, p.seqlen_q, p.seqlen_k, kBlockM, kBlockN);
+          ptx::fence_proxy_async_global();
+        }
         for (int c = 0; c < Cfg::kConsumers; ++c) {
           ptx::mbarrier_wait(dq_full(c, buffer), use & 1);
           const int col0 = Cfg::kDqSplitsColumns ? c * 64 : 0;
@@ -187,7 +195,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           }
         }
         ptx::tma_store_commit();
-        ptx::tma_store_wait_read();
+        if (turn != nullptr) {
+          ptx::tma_store_wait_all();
+          ptx::fence_proxy_async_global();
+          ptx::red_release_add(turn, 1);
+        } else {
+          ptx::tma_store_wait_read();
+        }
         for (int c = 0; c < Cfg::kConsumers; ++c) ptx::mbarrier_arrive(dq_empty(c, buffer));
       }
     }
@@ -230,7 +244,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   };
 
   if (walk.steps > 0) ptx::mbarrier_wait(kv_full, 0);
-  BwdStep step{kv_head * group, walk.m_begin};
+  BwdStep step = BwdStep::first(walk, kv_head * group);
   for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
     const int stage = s % kStages;
     const int q_first = step.m_block * kBlockM;
