@@ -117,6 +117,10 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t lead
   return uint64_t((addr & 0x3FFFF) >> 4) | uint64_t(leading_bytes >> 4) << 16 |
          uint64_t(1024 >> 4) << 32 | uint64_t(1) << 62;
 }
+// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a 64-column panel of 128-byte rows
+// as TMA writes it with the 128-byte swizzle: a row's chunks are permuted by its place in its
+// group of 8 rows.
+__device__ __forceinline__ uint32_t sw128_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row % 8)) * 16); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Until at most N committed wgmma groups of this warp group are in flight.

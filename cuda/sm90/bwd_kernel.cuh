@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         dsa[kk][j] = ptx::pack2<T>(prob.x * (dpt[i] - d.x) * p.scale, prob.y * (dpt[i + 1] - d.y) * p.scale);
         // To shared memory for dQ: row = key (of the CTA's 128), 16-byte chunk = 8 queries.
         const int row = consumer * 64 + warp * 16 + accum_row(i), chunk = i / 4;
-        ptx::st_shared_b32(ds_buffer + (chunk / 8) * kBlockN * 128 + row * 128 + (((chunk % 8) ^ (row % 8)) * 16) +
+        ptx::st_shared_b32(ds_buffer + (chunk / 8) * kBlockN * 128 + ptx::sw128_offset(row, chunk % 8) +
                                (lane % 4) * 4,
                            dsa[kk][j]);
       }
@@ -355,8 +355,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 32; i += 2) {
         const int row = mt * 64 + warp * 16 + accum_row(i), col = accum_col(i);
-        const uint32_t addr = sDq_part + (col / 32) * kBlockM * 128 + row * 128 +
-                              ((((col % 32) / 4) ^ (row % 8)) * 16) + (col % 4) * 4;
+        const uint32_t addr =
+            sDq_part + (col / 32) * kBlockM * 128 + ptx::sw128_offset(row, (col % 32) / 4) + (col % 4) * 4;
         ptx::st_shared_f32x2(addr, dq[mt][i], dq[mt][i + 1]);
       }
     ptx::fence_proxy_async_shared();
@@ -375,7 +375,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; i += 2) {
     const int row = consumer * 64 + warp * 16 + accum_row(i), col = accum_col(i);
-    const uint32_t off = (col / 64) * kBlockN * 128 + row * 128 + ((((col % 64) / 8) ^ (row % 8)) * 16) + (lane % 4) * 4;
+    const uint32_t off = (col / 64) * kBlockN * 128 + ptx::sw128_offset(row, (col % 64) / 8) + (lane % 4) * 4;
     ptx::st_shared_b32(sK + off, ptx::pack2<T>(dk[i], dk[i + 1]));
     ptx::st_shared_b32(sV + off, ptx::pack2<T>(dv[i], dv[i + 1]));
   }

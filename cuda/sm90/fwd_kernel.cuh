@@ -305,7 +305,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int n = 0; n < Cfg::kOChunkCols / 8; ++n) {
         const int chunk = c * (Cfg::kOChunkCols / 8) + n;  // 16-byte chunk of the row
-        const uint32_t addr = sQ + (chunk / 8) * kBlockM * 128 + row * 128 + ((chunk % 8) ^ (row % 8)) * 16 +
+        const uint32_t addr = sQ + (chunk / 8) * kBlockM * 128 + ptx::sw128_offset(row, chunk % 8) +
                               (lane % 4) * 4;
         ptx::st_shared_b32(addr, ptx::pack2<T>(o[c][4 * n + 2 * r] * inv, o[c][4 * n + 2 * r + 1] * inv));
       }
