@@ -51,6 +51,8 @@ struct BwdConfig {
   // dQ at H = 128: each consumer 64 columns over all keys (one add of 64 x 64, but a barrier for
   // both consumers' dS^T); at H = 64 all columns over its own keys.
   static constexpr bool kDqSplitsColumns = kHeadDim == 128;
+  // The first dQ column of a consumer's part.
+  static constexpr int dq_column0(int consumer) { return kDqSplitsColumns ? consumer * 64 : 0; }
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
@@ -188,9 +190,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         for (int c = 0; c < Cfg::kConsumers; ++c) {
           ptx::mbarrier_wait(dq_full(c, buffer), use & 1);
-          const int col0 = Cfg::kDqSplitsColumns ? c * 64 : 0;
           for (int panel = 0; panel < 2; ++panel) {
-            ptx::tma_reduce_add_4d(&maps.dq_accum, sDq(c, buffer) + panel * kBlockM * 128, col0 + panel * 32,
+            ptx::tma_reduce_add_4d(&maps.dq_accum, sDq(c, buffer) + panel * kBlockM * 128,
+                                   Cfg::dq_column0(c) + panel * 32,
                                    step.head, step.m_block * kBlockM, batch);
           }
         }
@@ -220,7 +222,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const float scale_log2 = p.scale * kLog2e;
   // dQ: at H = 128 this consumer's 64 columns over all keys, at H = 64 all columns over its keys.
   constexpr int kDqKeys = Cfg::kDqSplitsColumns ? kBlockN : 64;
-  const int dq_col0 = Cfg::kDqSplitsColumns ? consumer * 64 : 0;  // of K (the dQ thread adds there too)
   const uint32_t ds_rows0 = Cfg::kDqSplitsColumns ? 0 : consumer * 64 * 128;
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];  // m64 x H: keys x columns
@@ -239,6 +240,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const uint32_t query_off = (ks / 4) * kBlockM * 128 + (ks % 4) * 32;
       ptx::wgmma_ss(acc, ptx::smem_desc_sw128(keys + key_off, 0), ptx::smem_desc_sw128(queries + query_off, 0),
                     ks > 0, T{});
+    }
+    ptx::wgmma_commit();
+  };
+
+  // acc (dK or dV) += A B issued, A from registers (dS^T or P^T: k16 steps over the step's
+  // queries), B the stage's Q or dO, MN-major here (queries are K, columns N).
+  auto issue_over_queries = [&](float (&acc)[kHeadDim / 2], const uint32_t (&a)[kBlockM / 16][4],
+                                uint32_t queries) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      ptx::wgmma_rs(acc, a[kk], ptx::smem_desc_sw128(queries + kk * 2048, kBlockM * 128), T{});
     }
     ptx::wgmma_commit();
   };
@@ -285,13 +297,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     float2 delta[kBlockM / 8];
     load_stats(sDelta(stage), delta);
 
-    // dV += P^T dO: dO is MN-major here (queries are K, columns N), 16 queries a step.
+    // dV += P^T dO.
     ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      ptx::wgmma_rs(dv, pa[kk], ptx::smem_desc_sw128(sDo(stage) + kk * 2048, kBlockM * 128), T{});
-    }
-    ptx::wgmma_commit();
+    issue_over_queries(dv, pa, sDo(stage));
 
     // dS^T = P^T (dP^T - delta) * scale, from the 16-bit P (the precision dV used).
     ptx::wgmma_wait<1>();
@@ -327,17 +335,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int ks = 0; ks < kDqKeys / 16; ++ks) {
         const uint64_t desc_ds = ptx::smem_desc_sw128(ds_buffer + mt * kBlockN * 128 + ds_rows0 + ks * 2048, 0);
-        const uint64_t desc_k = ptx::smem_desc_sw128(sK + (dq_col0 / 64) * kBlockN * 128 + ds_rows0 + ks * 2048, 0);
+        const uint64_t desc_k =
+            ptx::smem_desc_sw128(sK + (Cfg::dq_column0(consumer) / 64) * kBlockN * 128 + ds_rows0 + ks * 2048, 0);
         ptx::wgmma_ss<1, 1>(dq[mt], desc_ds, desc_k, ks > 0, T{});
       }
     ptx::wgmma_commit();
 
-    // dK += dS^T Q: Q MN-major, as dO above.
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      ptx::wgmma_rs(dk, dsa[kk], ptx::smem_desc_sw128(sQ(stage) + kk * 2048, kBlockM * 128), T{});
-    }
-    ptx::wgmma_commit();
+    // dK += dS^T Q.
+    issue_over_queries(dk, dsa, sQ(stage));
     // In flight: dV, dQ, dK. dQ goes out while dK runs.
     ptx::wgmma_wait<1>();
     ptx::fence_registers(dv);
