@@ -38,17 +38,18 @@ def fold_into_batch(fn: Callable) -> Callable:
 
 
 def fold_queries_into_heads(forward: Callable) -> Callable:
-    """forward(q, k, v) -> (out [B, T, N, H], lse [B, N, T]), batched as one call. With only q
-    mapped, q [V, B, T, N, H] runs as [B, T, N * V, H] (head n * V + v, in kv head n // group);
-    otherwise as `fold_into_batch`."""
+    """forward(q, k, v, *masks) -> (out [B, T, N, H], lse [B, N, T]), batched as one call, where
+    the masks are per batch row (the same for every head). With only q mapped, q [V, B, T, N, H]
+    runs as [B, T, N * V, H] (head n * V + v, in kv head n // group); otherwise as
+    `fold_into_batch`."""
     wrapped = custom_vmap(forward)
 
     @wrapped.def_vmap
-    def rule(axis_size, in_batched, q, k, v):
-        if tuple(in_batched) != (True, False, False):
-            return _call_folded(wrapped, axis_size, in_batched, (q, k, v))
+    def rule(axis_size, in_batched, q, k, v, *masks):
+        if not in_batched[0] or any(in_batched[1:]):
+            return _call_folded(wrapped, axis_size, in_batched, (q, k, v) + masks)
         size, b, t, n, h = q.shape
-        out, lse = wrapped(jnp.moveaxis(q, 0, 3).reshape(b, t, n * size, h), k, v)
+        out, lse = wrapped(jnp.moveaxis(q, 0, 3).reshape(b, t, n * size, h), k, v, *masks)
         out = jnp.moveaxis(out.reshape(b, t, n, size, -1), 3, 0)
         lse = jnp.moveaxis(lse.reshape(b, n, size, t), 2, 0)
         return (out, lse), (True, True)

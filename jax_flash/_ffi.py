@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import _batching
+from jax_flash._masks import KernelMasks
 
 
 @functools.cache
@@ -86,27 +87,27 @@ def deterministic() -> bool:
     return value == "1"
 
 
-def forward(config, q, k, v):
+def forward(config, q, k, v, masks: KernelMasks):
     """(out [B, T, N, H], lse [B, N, T] float32) from the forward kernel; under vmap, one call
     with the mapped axis folded into the batch or the heads (_batching.py)."""
     register_targets()
     attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()))
 
-    def run(q, k, v):
+    def run(q, k, v, *masks):
         b, t, n, _ = q.shape
         result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
-        return jax.ffi.ffi_call("jax_flash_fwd", result_types)(q, k, v, **attrs)
+        return jax.ffi.ffi_call("jax_flash_fwd", result_types)(q, k, v, *masks, **attrs)
 
-    return _batching.fold_queries_into_heads(run)(q, k, v)
+    return _batching.fold_queries_into_heads(run)(q, k, v, *masks)
 
 
-def backward(config, q, k, v, out, lse, d_out, d_lse):
+def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks):
     """(dq, dk, dv) from the backward kernels; lse and d_lse are [B, N, T] float32. Under vmap,
     one call with the mapped axis folded into the batch."""
     register_targets()
     attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()), deterministic=np.int32(deterministic()))
 
-    def run(q, k, v, out, lse, d_out, d_lse):
+    def run(q, k, v, out, lse, d_out, d_lse, *masks):
         b, t, n, _ = q.shape
         # Per-row statistics scratch, rows padded to whole query blocks (cuda/common/params.h).
         padded_t = -(-t // _STATS_ROW_MULTIPLE) * _STATS_ROW_MULTIPLE
@@ -119,8 +120,8 @@ def backward(config, q, k, v, out, lse, d_out, d_lse):
             stats,  # lse in base 2
             jax.ShapeDtypeStruct((b, n, padded_t // 64), jnp.int32),  # dQ turn counters (deterministic mode)
         )
-        return jax.ffi.ffi_call("jax_flash_bwd", result_types)(q, k, v, out, lse, d_out, d_lse, **attrs)
+        return jax.ffi.ffi_call("jax_flash_bwd", result_types)(q, k, v, out, lse, d_out, d_lse, *masks, **attrs)
 
     dq_accum, dk, dv, *_ = _batching.fold_into_batch(run)(q, k, v, out, lse.astype(jnp.float32), d_out,
-                                                          d_lse.astype(jnp.float32))  # fmt: skip
+                                                          d_lse.astype(jnp.float32), *masks)  # fmt: skip
     return dq_accum.astype(q.dtype), dk, dv

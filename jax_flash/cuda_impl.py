@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _ffi, xla_impl
+from jax_flash._masks import KernelMasks, kernel_masks
 from jax_flash._validation import AttentionConfig, Call
 
 FWD_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
@@ -41,9 +42,6 @@ def unsupported_reason(call: Call) -> str | None:
         name
         for name, value in (
             ("bias", call.bias), ("mask", call.mask), ("softcap", call.config.softcap),
-            ("query_seq_lengths", call.query_seq_lengths),
-            ("key_value_seq_lengths", call.key_value_seq_lengths),
-            ("segment ids", call.q_segment_ids),
         )
         if value is not None
     ]  # fmt: skip
@@ -57,12 +55,20 @@ def _pad_head_dim(x, size: int):
     return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
 
+def _mask_arrays(call: Call) -> tuple:
+    return call.query_seq_lengths, call.key_value_seq_lengths, call.q_segment_ids, call.kv_segment_ids
+
+
+def _kernel_masks(q, k, q_len, kv_len, q_seg, kv_seg) -> KernelMasks:
+    return kernel_masks(q.shape[0], q.shape[1], k.shape[1], q_len, kv_len, q_seg, kv_seg)
+
+
 def attention(call: Call) -> tuple[jax.Array, jax.Array]:
     """(output [B, T, N, H], lse [B, T, N] float32) from the CUDA kernels."""
     head_dim = call.query.shape[-1]
     padded = kernel_head_dim(head_dim)
     q, k, v = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value))
-    out, lse = _flash(call.config, q, k, v)
+    out, lse = _flash(call.config, q, k, v, *_mask_arrays(call))
     return out[..., :head_dim], lse
 
 
@@ -72,28 +78,32 @@ def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, 
     head_dim = call.query.shape[-1]
     padded = kernel_head_dim(head_dim)
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))
-    grads = _flash_bwd(call.config, (q, k, v, out, lse.transpose(0, 2, 1)), (d_out, d_lse))
+    masks = _mask_arrays(call)
+    residuals = (q, k, v, out, lse.transpose(0, 2, 1), masks, _kernel_masks(q, k, *masks))
+    grads = _flash_bwd(call.config, residuals, (d_out, d_lse))[:3]
     return tuple(g[..., :head_dim] for g in grads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(config: AttentionConfig, q, k, v):
-    return _flash_fwd(config, q, k, v)[0]
+def _flash(config: AttentionConfig, q, k, v, q_len, kv_len, q_seg, kv_seg):
+    return _flash_fwd(config, q, k, v, q_len, kv_len, q_seg, kv_seg)[0]
 
 
-def _flash_fwd(config: AttentionConfig, q, k, v):
-    out, lse = _ffi.forward(config, q, k, v)  # lse: [B, N, T]
-    return (out, lse.transpose(0, 2, 1)), (q, k, v, out, lse)
+def _flash_fwd(config: AttentionConfig, q, k, v, *masks):
+    kernel = _kernel_masks(q, k, *masks)
+    out, lse = _ffi.forward(config, q, k, v, kernel)  # lse: [B, N, T]
+    return (out, lse.transpose(0, 2, 1)), (q, k, v, out, lse, masks, kernel)
 
 
 def _flash_bwd(config: AttentionConfig, residuals, cotangents):
-    q, k, v, out, lse = residuals
+    q, k, v, out, lse, masks, kernel = residuals
     d_out, d_lse = cotangents
     if q.shape[-1] not in BWD_HEAD_DIMS:
-        call = Call(q, k, v, None, None, None, None, None, None, config, True)
-        return xla_impl.backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse)[:3]
-    dq, dk, dv = _ffi.backward(config, q, k, v, out, lse, d_out, d_lse.transpose(0, 2, 1))
-    return dq, dk, dv
+        call = Call(q, k, v, None, None, *masks, config, True)
+        grads = xla_impl.backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse)[:3]
+    else:
+        grads = _ffi.backward(config, q, k, v, out, lse, d_out, d_lse.transpose(0, 2, 1), kernel)
+    return tuple(grads) + (None,) * 4
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -11,10 +11,13 @@ namespace jax_flash {
 struct BwdWalk {
   int m_begin, m_end, steps;
 
-  __device__ static BwdWalk make(const Band& band, int k_first, int keys_valid, int seqlen_q, int block_m,
-                                 int group) {
-    const int m_begin = band.query_begin(k_first, seqlen_q) / block_m;
-    const int m_end = (band.query_end(k_first + keys_valid - 1, seqlen_q) + block_m - 1) / block_m;
+  // `segments`: skip the query blocks of other documents (not in deterministic mode, whose turn
+  // order needs walks that only grow with the key block).
+  __device__ static BwdWalk make(const Band& band, int k_first, int k_last, int block_m, int group,
+                                 bool segments) {
+    const Range rows = band.queries_of(k_first, k_last, segments);
+    const int m_begin = rows.begin / block_m;
+    const int m_end = (rows.end + block_m - 1) / block_m;
     return {m_begin, m_end, group * max(0, m_end - m_begin)};
   }
 };
@@ -22,13 +25,11 @@ struct BwdWalk {
 // The first key block whose walk includes query block m. The key blocks that visit m are
 // contiguous (m_begin and m_end never decrease with the key block), so the deterministic dQ order
 // gives key block n the turn n - first_key_block(m).
-__device__ inline int first_key_block(const Band& band, int m, int seqlen_q, int seqlen_k, int block_m,
-                                      int block_n) {
-  int lo = 0, hi = (seqlen_k + block_n - 1) / block_n - 1;  // the answer is in [lo, hi]
+__device__ inline int first_key_block(const Band& band, int m, int block_m, int block_n) {
+  int lo = 0, hi = (band.seqlen_k + block_n - 1) / block_n - 1;  // the answer is in [lo, hi]
   while (lo < hi) {
     const int n = (lo + hi) / 2;
-    const int k_last = min((n + 1) * block_n, seqlen_k) - 1;
-    const int m_end = (band.query_end(k_last, seqlen_q) + block_m - 1) / block_m;
+    const int m_end = (band.queries_of(n * block_n, (n + 1) * block_n - 1, false).end + block_m - 1) / block_m;
     if (m_end > m) hi = n; else lo = n + 1;
   }
   return lo;
@@ -36,11 +37,12 @@ __device__ inline int first_key_block(const Band& band, int m, int seqlen_q, int
 
 // Deterministic dQ (BwdParams::dq_turns): the counter of query block m of one (batch, head) row of
 // counters, and the wait for key block n's turn there. Not inlined: it runs only in deterministic
-// mode and should not cost the main loop registers.
-__device__ __noinline__ inline int* wait_dq_turn(int* turns_row, Band band, int m, int n, int seqlen_q,
-                                                 int seqlen_k, int block_m, int block_n) {
+// mode and should not cost the main loop registers. `band` without segments (the walks of
+// deterministic mode ignore them).
+__device__ __noinline__ inline int* wait_dq_turn(int* turns_row, Band band, int m, int n, int block_m,
+                                                 int block_n) {
   int* turn = turns_row + m * (block_m / 64);
-  const int mine = n - first_key_block(band, m, seqlen_q, seqlen_k, block_m, block_n);
+  const int mine = n - first_key_block(band, m, block_m, block_n);
   while (ptx::ld_acquire(turn) != mine) {
   }
   return turn;

@@ -1,41 +1,129 @@
-// The band mask shared by every kernel: causal attention and local windows, bottom-right aligned.
+// Which (query, key) pairs take part, shared by every kernel: the band (causal attention and local
+// windows, bottom-right aligned), per-batch sequence lengths and segment ids (packed documents).
 #pragma once
 
 #include "common/params.h"
 
 namespace jax_flash {
 
-// Key j is visible to query i when j < seqlen_k and
-//   -left <= j - (i + offset) <= right   (offset = seqlen_k - seqlen_q; -1 = unbounded side).
-struct Band {
-  int offset, left, right, seqlen_k;
+struct Range {
+  int begin, end;
+};
 
-  __device__ static Band from(const FwdParams& p) {
-    return {p.seqlen_k - p.seqlen_q, p.window_left, p.window_right, p.seqlen_k};
+// The mask of one batch row. Key j is visible to query i when i < seqlen_q, j < seqlen_k,
+//   -left <= j - (i + offset) <= right   (offset = seqlen_k - seqlen_q; -1 = unbounded side),
+// and, with segment ids, q_seg[i] == kv_seg[j]. Segments also bound the blocks a kernel visits:
+// MaskChunk ranges (params.h) computed on the host side say which keys a 64-row chunk of queries
+// can see and the reverse, so that blocks of other documents are skipped, not just masked.
+struct Band {
+  int offset, seqlen_q, seqlen_k, left, right;
+  // This batch row's segment ids and chunks; nullptr: none.
+  const int* q_seg;
+  const int* kv_seg;
+  const MaskChunk* q_chunks;
+  const MaskChunk* kv_chunks;
+  // Rows past seqlen_q must be masked: only with lengths, where they may lie inside the tensor
+  // (rows past T are never written; the backward gives rows past the length lse = -inf).
+  bool mask_rows;
+
+  // kMasked = false: p has no lengths or segment ids (the dispatch checked), so none are read and
+  // the constant nullptrs compile the segment code out.
+  template <bool kMasked>
+  __device__ static Band from(const FwdParams& p, int batch) {
+    if (!kMasked) {
+      return {p.seqlen_k - p.seqlen_q, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+              nullptr, nullptr, nullptr, nullptr, false};
+    }
+    const int seqlen_q = p.seqlens ? p.seqlens[2 * batch] : p.seqlen_q;
+    const int seqlen_k = p.seqlens ? p.seqlens[2 * batch + 1] : p.seqlen_k;
+    const bool segments = p.q_segments != nullptr;
+    const int q_chunks = (p.seqlen_q + kMaskChunk - 1) / kMaskChunk;
+    const int kv_chunks = (p.seqlen_k + kMaskChunk - 1) / kMaskChunk;
+    return {seqlen_k - seqlen_q,
+            seqlen_q,
+            seqlen_k,
+            p.window_left,
+            p.window_right,
+            segments ? p.q_segments + int64_t(batch) * p.seqlen_q : nullptr,
+            segments ? p.kv_segments + int64_t(batch) * p.seqlen_k : nullptr,
+            segments ? p.q_chunks + int64_t(batch) * q_chunks : nullptr,
+            segments ? p.kv_chunks + int64_t(batch) * kv_chunks : nullptr,
+            true};
   }
-  __device__ __forceinline__ bool visible(int q, int k) const {
-    const int rel = k - q - offset;
-    return k < seqlen_k && (right < 0 || rel <= right) && (left < 0 || rel >= -left);
+  __device__ __forceinline__ bool segments() const { return q_seg != nullptr; }
+  __device__ __forceinline__ Band masking_rows() const {
+    Band band = *this;
+    band.mask_rows = true;
+    return band;
   }
-  // Keys [key_begin(q_first), key_end(q_last)) hold everything rows q_first..q_last can see.
-  __device__ __forceinline__ int key_begin(int q_first) const {
-    return left < 0 ? 0 : max(0, q_first + offset - left);
+  __device__ __forceinline__ Band without_segments() const {
+    return {offset, seqlen_q, seqlen_k, left, right, nullptr, nullptr, nullptr, nullptr, mask_rows};
   }
-  __device__ __forceinline__ int key_end(int q_last) const {
-    return right < 0 ? seqlen_k : max(0, min(seqlen_k, q_last + offset + right + 1));
+
+  // The kernels mask a tile row by row: query q sees keys [keys_seen_by(q)) (and key k is seen by
+  // queries [queries_seeing(k))), then, with segment ids, only those of its segment. Two compares
+  // an element instead of the whole band test keeps the mask's registers low.
+  __device__ __forceinline__ Range keys_seen_by(int q) const {
+    if (mask_rows && q >= seqlen_q) return {0, 0};
+    return {left < 0 ? 0 : q + offset - left, right < 0 ? seqlen_k : min(seqlen_k, q + offset + right + 1)};
   }
-  // Queries [query_begin(k_first), query_end(k_last)) hold every row that keys k_first..k_last
-  // are visible to (for the backward, which walks query blocks per key block).
-  __device__ __forceinline__ int query_begin(int k_first, int seqlen_q) const {
-    return right < 0 ? 0 : min(seqlen_q, max(0, k_first - offset - right));
+  __device__ __forceinline__ Range queries_seeing(int k) const {
+    if (k >= seqlen_k) return {0, 0};
+    return {right < 0 ? 0 : k - offset - right, left < 0 ? seqlen_q : min(seqlen_q, k - offset + left + 1)};
   }
-  __device__ __forceinline__ int query_end(int k_last, int seqlen_q) const {
-    return left < 0 ? seqlen_q : max(0, min(seqlen_q, k_last - offset + left + 1));
+  __device__ __forceinline__ bool same_segment(int q, int k) const {
+    return !segments() || __ldg(q_seg + q) == __ldg(kv_seg + k);
   }
+
+  // Keys that rows [q_first, q_last] can see lie in the returned range (empty: none).
+  __device__ __forceinline__ Range keys_of(int q_first, int q_last) const {
+    q_last = min(q_last, seqlen_q - 1);
+    if (q_first > q_last) return {0, 0};
+    Range r{left < 0 ? 0 : max(0, q_first + offset - left),
+            right < 0 ? seqlen_k : max(0, min(seqlen_k, q_last + offset + right + 1))};
+    if (segments()) r = narrow(r, q_chunks, q_first, q_last);
+    return r;
+  }
+  // Queries that keys [k_first, k_last] are visible to lie in the returned range (the backward
+  // walks these per key block). `segments`: narrow by the segment chunks too; without, the range
+  // only grows with the keys, which the deterministic dQ order needs (bwd_walk.cuh).
+  __device__ __forceinline__ Range queries_of(int k_first, int k_last, bool segments = true) const {
+    k_last = min(k_last, seqlen_k - 1);
+    if (k_first > k_last) return {0, 0};
+    Range r{right < 0 ? 0 : min(seqlen_q, max(0, k_first - offset - right)),
+            left < 0 ? seqlen_q : max(0, min(seqlen_q, k_last - offset + left + 1))};
+    if (segments && this->segments()) r = narrow(r, kv_chunks, k_first, k_last);
+    return r;
+  }
+
   // True when every pair of rows [q0, q1] x keys [k0, k1] is visible: no masking needed.
   __device__ __forceinline__ bool all_visible(int q0, int q1, int k0, int k1) const {
-    return k1 < seqlen_k && (right < 0 || k1 - q0 - offset <= right) &&
-           (left < 0 || k0 - q1 - offset >= -left);
+    if (!(q1 < seqlen_q && k1 < seqlen_k && (right < 0 || k1 - q0 - offset <= right) &&
+          (left < 0 || k0 - q1 - offset >= -left))) {
+      return false;
+    }
+    if (!segments()) return true;
+    // One segment for every row and key: each chunk's min == max == the first chunk's.
+    const int segment = q_chunks[q0 / kMaskChunk].segment_min;
+    for (int c = q0 / kMaskChunk; c <= q1 / kMaskChunk; ++c) {
+      if (q_chunks[c].segment_min != segment || q_chunks[c].segment_max != segment) return false;
+    }
+    for (int c = k0 / kMaskChunk; c <= k1 / kMaskChunk; ++c) {
+      if (kv_chunks[c].segment_min != segment || kv_chunks[c].segment_max != segment) return false;
+    }
+    return true;
+  }
+
+ private:
+  // `r` cut to the union of the other side's ranges of chunks first / 64 .. last / 64.
+  __device__ static Range narrow(Range r, const MaskChunk* chunks, int first, int last) {
+    int begin = 1 << 30, end = 0;
+    for (int c = first / kMaskChunk; c <= last / kMaskChunk; ++c) {
+      begin = min(begin, chunks[c].other_begin);
+      end = max(end, chunks[c].other_end);
+    }
+    begin = max(r.begin, begin), end = min(r.end, end);
+    return begin < end ? Range{begin, end} : Range{0, 0};
   }
 };
 

@@ -7,6 +7,14 @@
 
 namespace jax_flash {
 
+// Segment ids come with a summary per kMaskChunk rows (queries) or keys, computed on the host
+// side (jax_flash/_masks.py): the chunk's smallest and largest segment id and the range of the
+// other side (keys of a query chunk, queries of a key chunk) whose chunks share a segment with it.
+constexpr int kMaskChunk = 64;
+struct MaskChunk {
+  int segment_min, segment_max, other_begin, other_end;
+};
+
 struct FwdParams {
   const void* q;
   const void* k;
@@ -19,6 +27,12 @@ struct FwdParams {
   float softcap;        // 0: no soft cap
   int window_left;      // -1: unbounded. Key j is visible to query i when
   int window_right;     //   -window_left <= j - (i + seqlen_k - seqlen_q) <= window_right
+  // Optional masks (nullptr: none; mask.cuh says how they combine):
+  const int* seqlens;          // [B, 2]: valid query and key lengths of each batch row
+  const int* q_segments;       // [B, T] segment ids, with kv_segments [B, S]
+  const int* kv_segments;
+  const MaskChunk* q_chunks;   // [B, ceil(T / kMaskChunk)], with the segment ids
+  const MaskChunk* kv_chunks;  // [B, ceil(S / kMaskChunk)]
 };
 
 // The largest query block of a backward kernel: the statistics rows are padded to a multiple.

@@ -68,6 +68,41 @@ void fill_attributes(float scale, int32_t window_left, int32_t window_right, Fwd
   p->window_right = window_right;
 }
 
+// The optional masks (an empty buffer: none): seqlens [B, 2] int32; segment ids q [B, T] and
+// kv [B, S] int32 with their chunk summaries [B, ceil(T / 64), 4] and [B, ceil(S / 64), 4].
+ffi::Error fill_masks(ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> q_segments,
+                      ffi::Buffer<ffi::S32> kv_segments, ffi::Buffer<ffi::S32> q_chunks,
+                      ffi::Buffer<ffi::S32> kv_chunks, FwdParams* p) {
+  auto has_shape = [](ffi::Buffer<ffi::S32>& b, std::initializer_list<int64_t> shape) {
+    const auto d = b.dimensions();
+    if (d.size() != shape.size()) return false;
+    size_t i = 0;
+    for (int64_t n : shape) if (d[i++] != n) return false;
+    return true;
+  };
+  if (seqlens.element_count() > 0) {
+    if (!has_shape(seqlens, {p->batch, 2})) {
+      return ffi::Error::InvalidArgument("jax_flash: seqlens must be [B, 2], got " + shape_string(seqlens.dimensions()));
+    }
+    p->seqlens = seqlens.typed_data();
+  }
+  if (q_segments.element_count() > 0 || kv_segments.element_count() > 0) {
+    const int64_t q_chunk_count = (p->seqlen_q + kMaskChunk - 1) / kMaskChunk;
+    const int64_t kv_chunk_count = (p->seqlen_k + kMaskChunk - 1) / kMaskChunk;
+    if (!has_shape(q_segments, {p->batch, p->seqlen_q}) || !has_shape(kv_segments, {p->batch, p->seqlen_k}) ||
+        !has_shape(q_chunks, {p->batch, q_chunk_count, 4}) || !has_shape(kv_chunks, {p->batch, kv_chunk_count, 4})) {
+      return ffi::Error::InvalidArgument("jax_flash: segment ids must be [B, T] and [B, S] with chunks [B, T / " +
+                                         std::to_string(kMaskChunk) + ", 4] and [B, S / " +
+                                         std::to_string(kMaskChunk) + ", 4]");
+    }
+    p->q_segments = q_segments.typed_data();
+    p->kv_segments = kv_segments.typed_data();
+    p->q_chunks = reinterpret_cast<const MaskChunk*>(q_chunks.typed_data());
+    p->kv_chunks = reinterpret_cast<const MaskChunk*>(kv_chunks.typed_data());
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error check_kernel_family(int32_t kernels) {
   if (kernels != int32_t(KernelFamily::kBest) && kernels != int32_t(KernelFamily::kSm80)) {
     return ffi::Error::InvalidArgument("jax_flash: kernels must be 0 (best) or 80 (sm80 only), got " +
@@ -85,7 +120,9 @@ ffi::Error launch_status(cudaError_t status, const char* what) {
 }
 
 ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                    ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                    ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> q_segments,
+                    ffi::Buffer<ffi::S32> kv_segments, ffi::Buffer<ffi::S32> q_chunks,
+                    ffi::Buffer<ffi::S32> kv_chunks, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                     float scale, int32_t window_left, int32_t window_right, int32_t kernels) {
   FwdParams p{};
   DType dtype;
@@ -95,6 +132,7 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     return ffi::Error::InvalidArgument("jax_flash: no forward kernel for head dim " +
                                        std::to_string(p.head_dim));
   }
+  if (ffi::Error e = fill_masks(seqlens, q_segments, kv_segments, q_chunks, kv_chunks, &p); e.failure()) return e;
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
   if (ffi::Error e = check_kernel_family(kernels); e.failure()) return e;
@@ -103,7 +141,9 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 
 ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
-                    ffi::Buffer<ffi::F32> dlse, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
+                    ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> q_segments,
+                    ffi::Buffer<ffi::S32> kv_segments, ffi::Buffer<ffi::S32> q_chunks,
+                    ffi::Buffer<ffi::S32> kv_chunks, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
                     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                     ffi::Result<ffi::Buffer<ffi::F32>> delta, ffi::Result<ffi::Buffer<ffi::F32>> lse_log2,
                     ffi::Result<ffi::Buffer<ffi::S32>> dq_turns, float scale, int32_t window_left,
@@ -116,6 +156,7 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     return ffi::Error::InvalidArgument("jax_flash: no backward kernel for head dim " +
                                        std::to_string(p.head_dim));
   }
+  if (ffi::Error e = fill_masks(seqlens, q_segments, kv_segments, q_chunks, kv_chunks, &p); e.failure()) return e;
   p.o = const_cast<void*>(o.untyped_data());
   p.lse = const_cast<float*>(lse.typed_data());
   p.dout = dout.untyped_data();
@@ -152,6 +193,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_fwd_handler, jax_flash::fwd_impl,
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seqlens [B, 2] or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q segment ids [B, T] or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv segment ids [B, S] or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q chunks [B, T / 64, 4] or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv chunks [B, S / 64, 4] or empty
                                   .Ret<ffi::AnyBuffer>()  // o
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [B, N, T]
                                   .Attr<float>("scale")
@@ -170,6 +216,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lse [B, N, T]
                                   .Arg<ffi::AnyBuffer>()  // dO
                                   .Arg<ffi::Buffer<ffi::F32>>()  // dlse [B, N, T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seqlens [B, 2] or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q segment ids [B, T] or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv segment ids [B, S] or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q chunks [B, T / 64, 4] or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv chunks [B, S / 64, 4] or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dQ accumulator [B, T, N, H]
                                   .Ret<ffi::AnyBuffer>()  // dK
                                   .Ret<ffi::AnyBuffer>()  // dV

@@ -39,33 +39,46 @@ bool use_sm90(KernelFamily family) {
 #endif
 }
 
-template <typename T>
+// The lengths and segment ids are read only by the kernels compiled for them.
+bool masked(const FwdParams& p) { return p.seqlens != nullptr || p.q_segments != nullptr; }
+
+template <typename T, bool kMasked>
 cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
   const bool sm90 = use_sm90(family) && fwd_sm90_supports_head_dim(p.head_dim);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
     if constexpr (fwd_sm90_supports_head_dim(kHeadDim)) {
-      if (sm90) return run_fwd_sm90<T, kHeadDim>(p, stream);
+      if (sm90) return run_fwd_sm90<T, kHeadDim, kMasked>(p, stream);
     }
-    return run_fwd_sm80<T, kHeadDim>(p, stream);
+    return run_fwd_sm80<T, kHeadDim, kMasked>(p, stream);
   });
 }
 
 template <typename T>
+cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
+  return masked(p) ? fwd_for<T, true>(p, family, stream) : fwd_for<T, false>(p, family, stream);
+}
+
+template <typename T, bool kMasked>
 cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream) {
   if (!bwd_supports_head_dim(p.head_dim)) return cudaErrorInvalidValue;
   const bool sm90 = use_sm90(family) && bwd_sm90_supports_head_dim(p.head_dim);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
     if constexpr (bwd_sm90_supports_head_dim(kHeadDim)) {
-      if (sm90) return run_bwd_sm90<T, kHeadDim>(p, stream);
+      if (sm90) return run_bwd_sm90<T, kHeadDim, kMasked>(p, stream);
     }
     if constexpr (kHeadDim <= 128) {
-      return run_bwd_sm80<T, kHeadDim>(p, stream);
+      return run_bwd_sm80<T, kHeadDim, kMasked>(p, stream);
     } else {
       return cudaErrorInvalidValue;
     }
   });
+}
+
+template <typename T>
+cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream) {
+  return masked(p) ? bwd_for<T, true>(p, family, stream) : bwd_for<T, false>(p, family, stream);
 }
 
 }  // namespace

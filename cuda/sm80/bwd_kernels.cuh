@@ -22,7 +22,9 @@ namespace jax_flash::sm80 {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <typename Cfg>
+// kMasked: per-batch sequence lengths and segment ids (mask.cuh); without, those reads are
+// compiled out, which keeps the plain kernels' registers.
+template <typename Cfg, bool kMasked>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdParams p) {
   using T = typename Cfg::T;
   using KTile = typename Cfg::KTile;
@@ -52,14 +54,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   const int group = p.heads / p.kv_heads;
   const int k_first = n_block * kBlockN;
   const int keys_valid = min(kBlockN, p.seqlen_k - k_first);
-  const Band band = Band::from(p);
+  // With the row test even without lengths: rows past T see nothing either way, and so ptxas
+  // allocates this kernel without spills (it spilled 16 bytes at d = 128 without).
+  const Band band = Band::from<kMasked>(p, batch).masking_rows();
   const float scale_log2 = p.scale * kLog2e;
 
   const int64_t q_row_stride = int64_t(p.heads) * kHeadDim;
   const int64_t kv_row_stride = int64_t(p.kv_heads) * kHeadDim;
   const int64_t kv_offset = (int64_t(batch) * p.seqlen_k + k_first) * kv_row_stride + kv_head * kHeadDim;
 
-  const BwdWalk walk = BwdWalk::make(band, k_first, keys_valid, p.seqlen_q, kBlockM, group);
+  const BwdWalk walk = BwdWalk::make(band, k_first, k_first + kBlockN - 1, kBlockM, group, p.dq_turns == nullptr);
   const int steps = walk.steps;
 
   // Rows past seqlen_q are zero-filled in Q and dO and have lse_log2 = +inf (bwd_preprocess), so
@@ -176,13 +180,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float lse_log2 = stats[row(mt, r)];
+        const int q = q_first + row(mt, r);
+        const Range seen = band.keys_seen_by(q);
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
           float prob[2];
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
+            const int k = k_first + col(n, j);
             prob[j] = ptx::exp2(acc[mt][n][2 * r + j] * scale_log2 - lse_log2);
-            if (masked && !band.visible(q_first + row(mt, r), k_first + col(n, j))) prob[j] = 0.f;
+            if (masked && (k < seen.begin || k >= seen.end || !band.same_segment(q, k))) prob[j] = 0.f;
           }
           p_packed[mt][n][r] = ptx::pack2<T>(prob[0], prob[1]);
           ptx::st_shared_b32(st_p(n, mt * 16 + r * 8), p_packed[mt][n][r]);
@@ -262,8 +269,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
       int* turn = nullptr;
       if (p.dq_turns != nullptr) {
         if (tid == 0) {
-          turn = wait_dq_turn(p.dq_turns + (int64_t(batch) * p.heads + head) * (p.stats_stride / 64), band,
-                              q_first / kBlockM, n_block, p.seqlen_q, p.seqlen_k, kBlockM, kBlockN);
+          turn = wait_dq_turn(p.dq_turns + (int64_t(batch) * p.heads + head) * (p.stats_stride / 64),
+                              band.without_segments(), q_first / kBlockM, n_block, kBlockM, kBlockN);
         }
         __syncthreads();
       }

@@ -18,7 +18,9 @@
 
 namespace jax_flash::sm80 {
 
-template <typename Cfg>
+// kMasked: per-batch sequence lengths and segment ids (mask.cuh); without, those reads are
+// compiled out, which keeps the plain kernels' registers.
+template <typename Cfg, bool kMasked>
 __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   using T = typename Cfg::T;
   using QTile = typename Cfg::QTile;
@@ -39,7 +41,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   const int kv_head = head / (p.heads / p.kv_heads);
   const int q_first = m_block * kBlockM;
   const int rows_valid = min(kBlockM, p.seqlen_q - q_first);
-  const Band band = Band::from(p);
+  const Band band = Band::from<kMasked>(p, batch);
 
   const int64_t q_row_stride = int64_t(p.heads) * kHeadDim;
   const int64_t kv_row_stride = int64_t(p.kv_heads) * kHeadDim;
@@ -53,8 +55,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
           head * kHeadDim;
   float* gLse = p.lse + (int64_t(batch) * p.heads + head) * p.seqlen_q + q_first;
 
-  const int n_begin = band.key_begin(q_first) / kBlockN;
-  const int n_end = (band.key_end(q_first + rows_valid - 1) + kBlockN - 1) / kBlockN;
+  const Range keys = band.keys_of(q_first, q_first + rows_valid - 1);
+  const int n_begin = keys.begin / kBlockN;
+  const int n_end = (keys.end + kBlockN - 1) / kBlockN;
 
   // This thread's rows (the mma accumulator layout): warp_row0 + mt*16 + lane/4 + {0, 8}.
   const int warp_row0 = warp * Cfg::kWarpRows;
@@ -142,13 +145,17 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-          for (int n = 0; n < kNTiles; ++n)
+          for (int r = 0; r < 2; ++r) {
+            const int q = q_first + thread_row(mt, r);
+            const Range seen = band.keys_seen_by(q);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int q = q_first + thread_row(mt, i / 2);
-              const int k = k_first + n * 8 + (lane % 4) * 2 + i % 2;
-              if (!band.visible(q, k)) acc_s[mt][n][i] = -INFINITY;
-            }
+            for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const int k = k_first + n * 8 + (lane % 4) * 2 + c;
+                if (k < seen.begin || k >= seen.end || !band.same_segment(q, k)) acc_s[mt][n][2 * r + c] = -INFINITY;
+              }
+          }
       }
       // Base 2 with the scale folded in (one FFMA per element).
       const float scale_log2 = p.scale * kLog2e;

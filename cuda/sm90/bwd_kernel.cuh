@@ -83,7 +83,9 @@ struct BwdTensorMaps {
   CUtensorMap q, dout, k, v, dk, dv, dq_accum;
 };
 
-template <typename Cfg>
+// kMasked: per-batch sequence lengths and segment ids (mask.cuh); without, those reads are
+// compiled out, which keeps the plain kernels' registers.
+template <typename Cfg, bool kMasked>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     bwd_kernel(const __grid_constant__ BwdTensorMaps maps, const BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -125,8 +127,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int batch = blockIdx.y / p.kv_heads, kv_head = blockIdx.y % p.kv_heads;
   const int group = p.heads / p.kv_heads;
   const int k_first = n_block * kBlockN;
-  const Band band = Band::from(p);
-  const BwdWalk walk = BwdWalk::make(band, k_first, min(kBlockN, p.seqlen_k - k_first), p.seqlen_q, kBlockM, group);
+  const Band band = Band::from<kMasked>(p, batch);
+  const BwdWalk walk = BwdWalk::make(band, k_first, k_first + kBlockN - 1, kBlockM, group, p.dq_turns == nullptr);
 
   if (threadIdx.x == 0) {
     ptx::mbarrier_init(kv_full, 1);
@@ -184,8 +186,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const int buffer = s % Cfg::kDqBuffers, use = s / Cfg::kDqBuffers;
         int* turn = nullptr;
         if (p.dq_turns != nullptr) {
-          turn = wait_dq_turn(p.dq_turns + (int64_t(batch) * p.heads + step.head) * (p.stats_stride / 64), band,
-                              step.m_block, n_block, p.seqlen_q, p.seqlen_k, kBlockM, kBlockN);
+          turn = wait_dq_turn(p.dq_turns + (int64_t(batch) * p.heads + step.head) * (p.stats_stride / 64),
+                              band.without_segments(), step.m_block, n_block, kBlockM, kBlockN);
           ptx::fence_proxy_async_global();
         }
         for (int c = 0; c < Cfg::kConsumers; ++c) {
@@ -278,9 +280,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::wgmma_wait<1>();
     ptx::fence_registers(st);
     if (!band.all_visible(q_first, q_first + kBlockM - 1, key0, key0 + 63)) {
+      const int k0 = key0 + warp * 16 + lane / 4;  // this thread's keys: k0 and k0 + 8
+      const Range seeing[2] = {band.queries_seeing(k0), band.queries_seeing(k0 + 8)};
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i) {
-        if (!band.visible(q_first + accum_col(i), key0 + warp * 16 + accum_row(i))) st[i] = -INFINITY;
+        const int r = (i % 4) / 2, q = q_first + accum_col(i);
+        if (q < seeing[r].begin || q >= seeing[r].end || !band.same_segment(q, k0 + 8 * r)) st[i] = -INFINITY;
       }
     }
 #pragma unroll

@@ -61,7 +61,9 @@ struct FwdTensorMaps {
   CUtensorMap q, k, v, o;
 };
 
-template <typename Cfg>
+// kMasked: per-batch sequence lengths and segment ids (mask.cuh); without, those reads are
+// compiled out, which keeps the plain kernels' registers.
+template <typename Cfg, bool kMasked>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdTensorMaps maps, const FwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -89,9 +91,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int kv_head = head / (p.heads / p.kv_heads);
   const int q_first = m_block * kBlockM;
   const int rows_valid = min(kBlockM, p.seqlen_q - q_first);
-  const Band band = Band::from(p);
-  const int n_begin = band.key_begin(q_first) / kBlockN;
-  const int n_end = (band.key_end(q_first + rows_valid - 1) + kBlockN - 1) / kBlockN;
+  const Band band = Band::from<kMasked>(p, batch);
+  const Range keys = band.keys_of(q_first, q_first + rows_valid - 1);
+  const int n_begin = keys.begin / kBlockN;
+  const int n_end = (keys.end + kBlockN - 1) / kBlockN;
   const int blocks = max(0, n_end - n_begin);
   auto block_key_first = [&](int j) { return (n_end - 1 - j) * kBlockN; };
 
@@ -189,11 +192,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto softmax = [&](float (&s)[kSRegs], int j, float (&rescale)[2]) {
     const int k_first = block_key_first(j);
     if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
+      const Range seen[2] = {band.keys_seen_by(q_first + row_in_tile(0)), band.keys_seen_by(q_first + row_in_tile(1))};
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i) {
-        const int q = q_first + row_in_tile((i % 4) / 2);
-        const int k = k_first + (i / 4) * 8 + (lane % 4) * 2 + i % 2;
-        if (!band.visible(q, k)) s[i] = -INFINITY;
+        const int r = (i % 4) / 2, k = k_first + (i / 4) * 8 + (lane % 4) * 2 + i % 2;
+        if (k < seen[r].begin || k >= seen[r].end || !band.same_segment(q_first + row_in_tile(r), k)) s[i] = -INFINITY;
       }
     }
 #pragma unroll

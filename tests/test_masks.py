@@ -1,0 +1,57 @@
+"""The kernels' mask operands (`jax_flash._masks`), checked on CPU: the chunk ranges must cover
+every visible (query, key) pair, and skip what packed documents do not share."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_flash._masks import CHUNK, kernel_masks
+from tests.cases import rng_for
+
+
+def _pairs_covered(q_seg, kv_seg, masks):
+    """Every pair with equal segment ids lies in its query chunk's key range and in its key
+    chunk's query range."""
+    q_chunks, kv_chunks = np.asarray(masks.q_chunks), np.asarray(masks.kv_chunks)
+    for b in range(q_seg.shape[0]):
+        qi, kj = np.nonzero(q_seg[b][:, None] == kv_seg[b][None, :])
+        qc, kc = q_chunks[b, qi // CHUNK], kv_chunks[b, kj // CHUNK]
+        assert ((qc[:, 2] <= kj) & (kj < qc[:, 3])).all()
+        assert ((kc[:, 2] <= qi) & (qi < kc[:, 3])).all()
+        assert (qc[:, 0] <= q_seg[b][qi]).all() and (q_seg[b][qi] <= qc[:, 1]).all()
+
+
+@pytest.mark.parametrize("t,s", [(1, 1), (64, 64), (100, 300), (1000, 999)])
+@pytest.mark.parametrize("sorted_ids", [True, False])
+def test_chunk_ranges_cover_every_visible_pair(t, s, sorted_ids):
+    rng = rng_for("chunks", t, s, sorted_ids)
+    draw = lambda n: np.sort(rng.integers(0, 5, size=(3, n)), axis=1) if sorted_ids else rng.integers(0, 5, size=(3, n))  # noqa: E731
+    q_seg, kv_seg = draw(t), draw(s)
+    masks = kernel_masks(3, t, s, None, None, jnp.asarray(q_seg), jnp.asarray(kv_seg))
+    assert masks.q_chunks.shape == (3, -(-t // CHUNK), 4) and masks.kv_chunks.shape == (3, -(-s // CHUNK), 4)
+    _pairs_covered(q_seg, kv_seg, masks)
+
+
+def test_packed_documents_skip_other_documents():
+    """Four documents of 256 tokens: a query chunk's key range is its own document only."""
+    seg = np.repeat(np.arange(4), 256)[None]
+    masks = kernel_masks(1, 1024, 1024, None, None, jnp.asarray(seg), jnp.asarray(seg))
+    q_chunks = np.asarray(masks.q_chunks)[0]
+    for c in range(1024 // CHUNK):
+        document = c * CHUNK // 256
+        assert tuple(q_chunks[c]) == (document, document, 256 * document, 256 * (document + 1))
+
+
+def test_a_segment_with_no_keys_gets_an_empty_range():
+    q_seg = np.full((1, 128), 9)
+    kv_seg = np.zeros((1, 200), int)
+    masks = kernel_masks(1, 128, 200, None, None, jnp.asarray(q_seg), jnp.asarray(kv_seg))
+    assert (np.asarray(masks.q_chunks)[0, :, 2:] == 0).all()
+    assert (np.asarray(masks.kv_chunks)[0, :, 2:] == 0).all()
+
+
+def test_lengths_are_clipped_and_absent_inputs_empty():
+    masks = kernel_masks(2, 10, 20, jnp.asarray([12, -3]), None, None, None)
+    np.testing.assert_array_equal(masks.seqlens, [[10, 20], [0, 20]])
+    assert masks.q_segments.shape == (2, 0) and masks.q_chunks.shape == (2, 0, 4)
+    assert kernel_masks(2, 10, 20, None, None, None, None).seqlens.shape == (2, 0)
