@@ -11,3 +11,11 @@ def test_quick_benchmark_table_and_plot(tmp_path, capsys):
     assert all(r["tflops"] is not None and r["tflops"] > 0 for r in rows)
     assert "jax_flash / " in out and out.count("\n| ") >= 8  # header + 2 seqlens x 2 causal x 2 passes
     assert png.stat().st_size > 10_000 and js.stat().st_size > 100
+
+
+def test_masks_benchmark(capsys):
+    rows = bench.main(["--masks"])
+    assert [r["case"] for r in rows][0] == "causal" and len(rows) == 4
+    assert all(r["fwd"] > 0 and r["fwd_bwd"] > r["fwd"] for r in rows)
+    out = capsys.readouterr().out
+    assert "| 8 packed documents (causal) |" in out and "fwd / causal" in out
