@@ -263,9 +263,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int stage = s % kStages;
     const int q_first = step.m_block * kBlockM;
     const uint32_t ds_buffer = sDs(s);
-    // Whether this step needs the mask, asked before the products so that the segment chunks'
-    // loads (masked kernels) are in flight while they run.
-    const bool all_visible = band.all_visible(q_first, q_first + kBlockM - 1, key0, key0 + 63);
     float st[kSRegs], dpt[kSRegs];
     issue_transposed(st, sK, sQ(stage), q_full(stage), s);
     issue_transposed(dpt, sV, sDo(stage), do_full(stage), s);
@@ -282,7 +279,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // P^T, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
     ptx::wgmma_wait<1>();
     ptx::fence_registers(st);
-    if (!all_visible) {
+    if (!band.all_visible(q_first, q_first + kBlockM - 1, key0, key0 + 63)) {
       const int k0 = key0 + warp * 16 + lane / 4;  // this thread's keys: k0 and k0 + 8
       const Range seeing[2] = {band.queries_seeing(k0), band.queries_seeing(k0 + 8)};
 #pragma unroll

@@ -187,18 +187,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
     ptx::wgmma_commit();
   };
-  // Whether block j needs the mask (it straddles the band, the end of the keys or a segment
-  // boundary). Asked before the block's products are issued, so that the segment chunks' loads
-  // (masked kernels) are in flight while they run.
-  auto all_visible = [&](int j) {
+  // Band mask (only blocks that straddle the band or the end of the keys), then the online softmax
+  // of block j: S becomes exp2(S - max) in place; returns the factor O must be scaled by.
+  auto softmax = [&](float (&s)[kSRegs], int j, float (&rescale)[2]) {
     const int k_first = block_key_first(j);
-    return band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1);
-  };
-  // The mask where needed, then the online softmax of block j: S becomes exp2(S - max) in place;
-  // returns the factor O must be scaled by.
-  auto softmax = [&](float (&s)[kSRegs], int j, bool full, float (&rescale)[2]) {
-    const int k_first = block_key_first(j);
-    if (!full) {
+    if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
       const Range seen[2] = {band.keys_seen_by(q_first + row_in_tile(0)), band.keys_seen_by(q_first + row_in_tile(1))};
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i) {
@@ -265,17 +258,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     float s[kSRegs], rescale[2];
     uint32_t pa[kBlockN / 16][4];
     if (consumer == 1) pass_turn();
-    bool full = all_visible(0);
     wait_turn();
     issue_s(s, 0);
     pass_turn();
     ptx::wgmma_wait<0>();
     ptx::fence_registers(s);
     ptx::mbarrier_arrive(k_empty(0));
-    softmax(s, 0, full, rescale);
+    softmax(s, 0, rescale);
     to_operand(s, pa);
     for (int j = 1; j < blocks; ++j) {
-      full = all_visible(j);
       wait_turn();
       issue_s(s, j);
       issue_pv(pa, j - 1);
@@ -283,7 +274,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::wgmma_wait<1>();  // S_j is in; P_{j-1} V_{j-1} may still run
       ptx::fence_registers(s);
       ptx::mbarrier_arrive(k_empty(j % kStages));
-      softmax(s, j, full, rescale);
+      softmax(s, j, rescale);
       ptx::wgmma_wait<0>();
       fence_o();
       ptx::fence_registers(pa);  // read by that wgmma until now
