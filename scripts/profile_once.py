@@ -18,16 +18,25 @@ parser.add_argument("--head-dim", type=int, default=128)
 parser.add_argument("--seqlen", type=int, default=4096)
 parser.add_argument("--causal", action="store_true")
 parser.add_argument("--tokens", type=int, default=16384, help="batch x seqlen (rounded up)")
+parser.add_argument("--masks", action="store_true",
+                    help="sequence lengths and four packed documents a row (the masked kernels)")
 args = parser.parse_args()
 
 dims = (-(-args.tokens // args.seqlen), args.seqlen, 2048 // args.head_dim, args.head_dim)
 q, k, v, do = (jax.random.normal(key, dims, jnp.bfloat16) for key in jax.random.split(jax.random.key(0), 4))
+masks = {}
+if args.masks:
+    batch, seqlen = dims[:2]
+    documents = jnp.broadcast_to(jnp.arange(seqlen, dtype=jnp.int32) * 4 // seqlen, (batch, seqlen))
+    lengths = jnp.full((batch,), seqlen, jnp.int32).at[-1].set(seqlen * 2 // 3)
+    masks = dict(q_segment_ids=documents, kv_segment_ids=documents, query_seq_lengths=lengths,
+                 key_value_seq_lengths=lengths.at[0].set(seqlen - 100))
 
 
 @jax.jit
 def fwd_bwd(q, k, v, do):
     out, vjp = jax.vjp(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=args.causal,
-                                                           implementation="cuda"), q, k, v)
+                                                           implementation="cuda", **masks), q, k, v)
     return out, vjp(do)
 
 
