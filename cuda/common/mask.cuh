@@ -79,8 +79,7 @@ struct Band {
   __device__ __forceinline__ Range keys_of(int q_first, int q_last) const {
     q_last = min(q_last, seqlen_q - 1);
     if (q_first > q_last) return {0, 0};
-    Range r{left < 0 ? 0 : max(0, q_first + offset - left),
-            right < 0 ? seqlen_k : max(0, min(seqlen_k, q_last + offset + right + 1))};
+    Range r{max(0, keys_seen_by(q_first).begin), max(0, keys_seen_by(q_last).end)};
     if (segments()) r = narrow(r, q_chunks, q_first, q_last);
     return r;
   }
@@ -90,8 +89,7 @@ struct Band {
   __device__ __forceinline__ Range queries_of(int k_first, int k_last, bool segments = true) const {
     k_last = min(k_last, seqlen_k - 1);
     if (k_first > k_last) return {0, 0};
-    Range r{right < 0 ? 0 : min(seqlen_q, max(0, k_first - offset - right)),
-            left < 0 ? seqlen_q : max(0, min(seqlen_q, k_last - offset + left + 1))};
+    Range r{min(seqlen_q, max(0, queries_seeing(k_first).begin)), max(0, queries_seeing(k_last).end)};
     if (segments && this->segments()) r = narrow(r, kv_chunks, k_first, k_last);
     return r;
   }
