@@ -11,11 +11,11 @@ namespace jax_flash {
 struct BwdWalk {
   int m_begin, m_end, steps;
 
-  // `segments`: skip the query blocks of other documents (not in deterministic mode, whose turn
-  // order needs walks that only grow with the key block).
-  __device__ static BwdWalk make(const Band& band, int k_first, int k_last, int block_m, int group,
-                                 bool segments) {
-    const Range rows = band.queries_of(k_first, k_last, segments);
+  // With segment ids in `band`, the query blocks of other documents are skipped; deterministic
+  // mode passes `band.without_segments()`, since its turn order needs walks that only grow with
+  // the key block.
+  __device__ static BwdWalk make(const Band& band, int k_first, int k_last, int block_m, int group) {
+    const Range rows = band.queries_of(k_first, k_last);
     const int m_begin = rows.begin / block_m;
     const int m_end = (rows.end + block_m - 1) / block_m;
     return {m_begin, m_end, group * max(0, m_end - m_begin)};
@@ -29,7 +29,7 @@ __device__ inline int first_key_block(const Band& band, int m, int block_m, int 
   int lo = 0, hi = (band.seqlen_k + block_n - 1) / block_n - 1;  // the answer is in [lo, hi]
   while (lo < hi) {
     const int n = (lo + hi) / 2;
-    const int m_end = (band.queries_of(n * block_n, (n + 1) * block_n - 1, false).end + block_m - 1) / block_m;
+    const int m_end = (band.queries_of(n * block_n, (n + 1) * block_n - 1).end + block_m - 1) / block_m;
     if (m_end > m) hi = n; else lo = n + 1;
   }
   return lo;

@@ -84,13 +84,14 @@ struct Band {
     return r;
   }
   // Queries that keys [k_first, k_last] are visible to lie in the returned range (the backward
-  // walks these per key block). `segments`: narrow by the segment chunks too; without, the range
-  // only grows with the keys, which the deterministic dQ order needs (bwd_walk.cuh).
-  __device__ __forceinline__ Range queries_of(int k_first, int k_last, bool segments = true) const {
+  // walks these per key block). Narrowed by the segment chunks when there are any; the
+  // deterministic dQ order needs ranges that only grow with the keys and so walks
+  // `without_segments()` (bwd_walk.cuh).
+  __device__ __forceinline__ Range queries_of(int k_first, int k_last) const {
     k_last = min(k_last, seqlen_k - 1);
     if (k_first > k_last) return {0, 0};
     Range r{min(seqlen_q, max(0, queries_seeing(k_first).begin)), max(0, queries_seeing(k_last).end)};
-    if (segments && this->segments()) r = narrow(r, kv_chunks, k_first, k_last);
+    if (segments()) r = narrow(r, kv_chunks, k_first, k_last);
     return r;
   }
 

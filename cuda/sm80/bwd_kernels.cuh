@@ -63,7 +63,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   const int64_t kv_row_stride = int64_t(p.kv_heads) * kHeadDim;
   const int64_t kv_offset = (int64_t(batch) * p.seqlen_k + k_first) * kv_row_stride + kv_head * kHeadDim;
 
-  const BwdWalk walk = BwdWalk::make(band, k_first, k_first + kBlockN - 1, kBlockM, group, p.dq_turns == nullptr);
+  const BwdWalk walk = BwdWalk::make(p.dq_turns ? band.without_segments() : band, k_first, k_first + kBlockN - 1,
+                                     kBlockM, group);
   const int steps = walk.steps;
 
   // Rows past seqlen_q are zero-filled in Q and dO and have lse_log2 = +inf (bwd_preprocess), so

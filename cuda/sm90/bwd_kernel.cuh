@@ -128,7 +128,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int group = p.heads / p.kv_heads;
   const int k_first = n_block * kBlockN;
   const Band band = Band::from<kMasked>(p, batch);
-  const BwdWalk walk = BwdWalk::make(band, k_first, k_first + kBlockN - 1, kBlockM, group, p.dq_turns == nullptr);
+  const BwdWalk walk = BwdWalk::make(p.dq_turns ? band.without_segments() : band, k_first, k_first + kBlockN - 1,
+                                     kBlockM, group);
 
   if (threadIdx.x == 0) {
     ptx::mbarrier_init(kv_full, 1);
