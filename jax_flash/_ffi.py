@@ -50,10 +50,12 @@ def register_targets() -> tuple[str, ...]:
 
 
 def _window_attrs(config) -> dict:
-    """Scalar attributes as the handlers declare them (np.float32 / np.int32; -1 = unbounded)."""
+    """Scalar attributes as the handlers declare them (np.float32 / np.int32; -1 = unbounded,
+    softcap 0 = none)."""
     unbounded = lambda w: np.int32(-1 if w is None else w)  # noqa: E731
     return dict(
         scale=np.float32(config.scale),
+        softcap=np.float32(config.softcap or 0.0),
         window_left=unbounded(config.window_left),
         window_right=unbounded(config.window_right),
     )

@@ -15,6 +15,11 @@ struct MaskChunk {
   int segment_min, segment_max, other_begin, other_end;
 };
 
+// The compiled variants of every kernel. kPlain reads no masks (the dispatch checked there are
+// none), kMasked reads sequence lengths and segment ids, kSoftcap is kMasked plus the soft cap.
+// Separate instantiations keep the common calls' kernels free of the others' registers.
+enum class Variant { kPlain, kMasked, kSoftcap };
+
 struct FwdParams {
   const void* q;
   const void* k;
@@ -24,7 +29,7 @@ struct FwdParams {
 
   int batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim;
   float scale;          // logit scale (applied before the soft cap)
-  float softcap;        // 0: no soft cap
+  float softcap;        // > 0 exactly in the kSoftcap variant
   int window_left;      // -1: unbounded. Key j is visible to query i when
   int window_right;     //   -window_left <= j - (i + seqlen_k - seqlen_q) <= window_right
   // Optional masks (nullptr: none; mask.cuh says how they combine):

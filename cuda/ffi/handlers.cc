@@ -61,11 +61,16 @@ ffi::Error fill_shapes(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, DTy
   return ffi::Error::Success();
 }
 
-void fill_attributes(float scale, int32_t window_left, int32_t window_right, FwdParams* p) {
+ffi::Error fill_attributes(float scale, float softcap, int32_t window_left, int32_t window_right, FwdParams* p) {
+  if (!(scale > 0.f) || !(softcap >= 0.f)) {
+    return ffi::Error::InvalidArgument("jax_flash: scale must be > 0 and softcap >= 0 (0: none), got " +
+                                       std::to_string(scale) + ", " + std::to_string(softcap));
+  }
   p->scale = scale;
-  p->softcap = 0.f;
+  p->softcap = softcap;
   p->window_left = window_left;
   p->window_right = window_right;
+  return ffi::Error::Success();
 }
 
 // The optional masks (an empty buffer: none): seqlens [B, 2] int32; segment ids q [B, T] and
@@ -123,11 +128,11 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> q_segments,
                     ffi::Buffer<ffi::S32> kv_segments, ffi::Buffer<ffi::S32> q_chunks,
                     ffi::Buffer<ffi::S32> kv_chunks, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                    float scale, int32_t window_left, int32_t window_right, int32_t kernels) {
+                    float scale, float softcap, int32_t window_left, int32_t window_right, int32_t kernels) {
   FwdParams p{};
   DType dtype;
   if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p); e.failure()) return e;
-  fill_attributes(scale, window_left, window_right, &p);
+  if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, &p); e.failure()) return e;
   if (!fwd_supports_head_dim(p.head_dim)) {
     return ffi::Error::InvalidArgument("jax_flash: no forward kernel for head dim " +
                                        std::to_string(p.head_dim));
@@ -146,12 +151,12 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::Buffer<ffi::S32> kv_chunks, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
                     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                     ffi::Result<ffi::Buffer<ffi::F32>> delta, ffi::Result<ffi::Buffer<ffi::F32>> lse_log2,
-                    ffi::Result<ffi::Buffer<ffi::S32>> dq_turns, float scale, int32_t window_left,
-                    int32_t window_right, int32_t kernels, int32_t deterministic) {
+                    ffi::Result<ffi::Buffer<ffi::S32>> dq_turns, float scale, float softcap,
+                    int32_t window_left, int32_t window_right, int32_t kernels, int32_t deterministic) {
   BwdParams p{};
   DType dtype;
   if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p); e.failure()) return e;
-  fill_attributes(scale, window_left, window_right, &p);
+  if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, &p); e.failure()) return e;
   if (!bwd_supports_head_dim(p.head_dim)) {
     return ffi::Error::InvalidArgument("jax_flash: no backward kernel for head dim " +
                                        std::to_string(p.head_dim));
@@ -201,6 +206,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_fwd_handler, jax_flash::fwd_impl,
                                   .Ret<ffi::AnyBuffer>()  // o
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [B, N, T]
                                   .Attr<float>("scale")
+                                  .Attr<float>("softcap")  // 0: none
                                   .Attr<int32_t>("window_left")
                                   .Attr<int32_t>("window_right")
                                   .Attr<int32_t>("kernels"),  // KernelFamily
@@ -228,6 +234,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse_log2 scratch [B, N, T padded]
                                   .Ret<ffi::Buffer<ffi::S32>>()  // dq_turns scratch [B, N, T padded / 64]
                                   .Attr<float>("scale")
+                                  .Attr<float>("softcap")  // 0: none
                                   .Attr<int32_t>("window_left")
                                   .Attr<int32_t>("window_right")
                                   .Attr<int32_t>("kernels")  // KernelFamily

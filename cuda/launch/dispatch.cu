@@ -39,37 +39,42 @@ bool use_sm90(KernelFamily family) {
 #endif
 }
 
-// The lengths and segment ids are read only by the kernels compiled for them.
-bool masked(const FwdParams& p) { return p.seqlens != nullptr || p.q_segments != nullptr; }
+// The variant that reads what the call has (params.h).
+template <typename Fn>
+cudaError_t by_variant(const FwdParams& p, Fn&& fn) {
+  if (p.softcap > 0.f) return fn(std::integral_constant<Variant, Variant::kSoftcap>{});
+  if (p.seqlens != nullptr || p.q_segments != nullptr) return fn(std::integral_constant<Variant, Variant::kMasked>{});
+  return fn(std::integral_constant<Variant, Variant::kPlain>{});
+}
 
-template <typename T, bool kMasked>
+template <typename T, Variant kVariant>
 cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
   const bool sm90 = use_sm90(family) && fwd_sm90_supports_head_dim(p.head_dim);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
     if constexpr (fwd_sm90_supports_head_dim(kHeadDim)) {
-      if (sm90) return run_fwd_sm90<T, kHeadDim, kMasked>(p, stream);
+      if (sm90) return run_fwd_sm90<T, kHeadDim, kVariant>(p, stream);
     }
-    return run_fwd_sm80<T, kHeadDim, kMasked>(p, stream);
+    return run_fwd_sm80<T, kHeadDim, kVariant>(p, stream);
   });
 }
 
 template <typename T>
 cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
-  return masked(p) ? fwd_for<T, true>(p, family, stream) : fwd_for<T, false>(p, family, stream);
+  return by_variant(p, [&](auto v) { return fwd_for<T, decltype(v)::value>(p, family, stream); });
 }
 
-template <typename T, bool kMasked>
+template <typename T, Variant kVariant>
 cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream) {
   if (!bwd_supports_head_dim(p.head_dim)) return cudaErrorInvalidValue;
   const bool sm90 = use_sm90(family) && bwd_sm90_supports_head_dim(p.head_dim);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
     if constexpr (bwd_sm90_supports_head_dim(kHeadDim)) {
-      if (sm90) return run_bwd_sm90<T, kHeadDim, kMasked>(p, stream);
+      if (sm90) return run_bwd_sm90<T, kHeadDim, kVariant>(p, stream);
     }
     if constexpr (kHeadDim <= 128) {
-      return run_bwd_sm80<T, kHeadDim, kMasked>(p, stream);
+      return run_bwd_sm80<T, kHeadDim, kVariant>(p, stream);
     } else {
       return cudaErrorInvalidValue;
     }
@@ -78,7 +83,7 @@ cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream
 
 template <typename T>
 cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream) {
-  return masked(p) ? bwd_for<T, true>(p, family, stream) : bwd_for<T, false>(p, family, stream);
+  return by_variant(p, [&](auto v) { return bwd_for<T, decltype(v)::value>(p, family, stream); });
 }
 
 }  // namespace

@@ -26,15 +26,15 @@ enum class KernelFamily { kBest = 0, kSm80 = 80 };
 cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, cudaStream_t stream);
 cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, cudaStream_t stream);
 
-// Declarations of the instantiations in cuda/generated/ (one .cu each). kMasked: the kernels that
-// read sequence lengths and segment ids (FwdParams), for the calls that have them.
-template <typename T, int kHeadDim, bool kMasked>
+// Declarations of the instantiations in cuda/generated/ (one .cu each), a kernel variant
+// (params.h) each.
+template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_fwd_sm80(const FwdParams& p, cudaStream_t stream);
-template <typename T, int kHeadDim, bool kMasked>
+template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_bwd_sm80(const BwdParams& p, cudaStream_t stream);
-template <typename T, int kHeadDim, bool kMasked>
+template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream);
-template <typename T, int kHeadDim, bool kMasked>
+template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream);
 
 }  // namespace jax_flash

@@ -13,21 +13,21 @@
 
 namespace jax_flash {
 
-template <typename T, int kHeadDim, bool kMasked>
+template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
   using Cfg = sm80::FwdConfig<T, kHeadDim>;
-  auto kernel = sm80::fwd_kernel<Cfg, kMasked>;
+  auto kernel = sm80::fwd_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.batch * p.heads);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <typename T, int kHeadDim, bool kMasked>
+template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm80::BwdConfig<T, kHeadDim>;
   if (cudaError_t e = launch_bwd_preprocess<T, kHeadDim>(p, stream); e != cudaSuccess) return e;
-  auto kernel = sm80::bwd_dkdv_kernel<Cfg, kMasked>;
+  auto kernel = sm80::bwd_dkdv_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);

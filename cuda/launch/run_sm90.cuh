@@ -13,7 +13,7 @@
 
 namespace jax_flash {
 
-template <typename T, int kHeadDim, bool kMasked>
+template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   using Cfg = sm90::FwdConfig<T, kHeadDim>;
   sm90::FwdTensorMaps maps;
@@ -25,14 +25,14 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
        }) {
     if (e != cudaSuccess) return e;
   }
-  auto kernel = sm90::fwd_kernel<Cfg, kMasked>;
+  auto kernel = sm90::fwd_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.batch * p.heads);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
   return cudaGetLastError();
 }
 
-template <typename T, int kHeadDim, bool kMasked>
+template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm90::BwdConfig<T, kHeadDim>;
   if (cudaError_t e = launch_bwd_preprocess<T, kHeadDim>(p, stream); e != cudaSuccess) return e;
@@ -48,7 +48,7 @@ cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
        }) {
     if (e != cudaSuccess) return e;
   }
-  auto kernel = sm90::bwd_kernel<Cfg, kMasked>;
+  auto kernel = sm90::bwd_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);

@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "common/bwd_walk.cuh"
+#include "common/logits.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
 #include "common/ptx.cuh"
@@ -22,9 +23,8 @@ namespace jax_flash::sm80 {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// kMasked: per-batch sequence lengths and segment ids (mask.cuh); without, those reads are
-// compiled out, which keeps the plain kernels' registers.
-template <typename Cfg, bool kMasked>
+// kVariant (params.h): which of the masks (mask.cuh) and the soft cap (logits.cuh) are read.
+template <typename Cfg, Variant kVariant>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdParams p) {
   using T = typename Cfg::T;
   using KTile = typename Cfg::KTile;
@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   constexpr int kSdpMTiles = Cfg::kSdpRowsPerWarp / 16;  // m16 tiles of a warp's S and dP
   constexpr int kDqMTiles = Cfg::kDqRowsPerWarp / 16;
   constexpr int kDqNTiles = Cfg::kDqColsPerWarp / 8;
+  constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
 
   extern __shared__ __align__(128) char smem[];
   // Layout: K, V, kStages x (Q, dO, lse, delta), P, dS.
@@ -57,7 +58,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   // With the row test even without lengths: rows past T see nothing either way, and so ptxas
   // allocates this kernel without spills (it spilled 16 bytes at d = 128 without).
   const Band band = Band::from<kMasked>(p, batch).masking_rows();
-  const float scale_log2 = p.scale * kLog2e;
+  const auto logits = Logits<kSoftcap>::from(p);
+  const float scale_log2 = logits.unit * kLog2e;
 
   const int64_t q_row_stride = int64_t(p.heads) * kHeadDim;
   const int64_t kv_row_stride = int64_t(p.kv_heads) * kHeadDim;
@@ -143,7 +145,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     // the same registers; P waits for dP packed to 16 bits (the precision it is stored in).
     const bool masked = !band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1);
     float acc[kSdpMTiles][4][4];
-    uint32_t p_packed[kSdpMTiles][4][2];
+    // P for dS, packed to 16 bits; with a cap, P times the tanh's slope (logits.cuh), so that the
+    // slopes need no registers of their own while dP is computed.
+    uint32_t p_for_ds[kSdpMTiles][4][2];
     // acc = A B^T with A = Q (or dO, a_shift bytes on) and B = K (or V, b_shift bytes on).
     auto product = [&](uint32_t a_shift, uint32_t b_shift) {
 #pragma unroll
@@ -173,8 +177,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     auto row = [&](int mt, int r) { return sdp_m + mt * 16 + r * 8 + lane / 4; };
     auto col = [&](int n, int j) { return sdp_n + n * 8 + (lane % 4) * 2 + j; };
 
-    // P = exp(scale * S - lse) (0 for rows that see no key: their lse_log2 is +inf); keys outside
-    // the band or past seqlen_k are masked here.
+    // P = exp(logit - lse) (0 for rows that see no key: their lse_log2 is +inf); keys outside the
+    // band or past seqlen_k are masked here.
     product(stage_offset, 0);
 #pragma unroll
     for (int mt = 0; mt < kSdpMTiles; ++mt)
@@ -185,19 +189,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
         const Range seen = band.keys_seen_by(q);
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
-          float prob[2];
+          float prob[2], slope[2];
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
             const int k = k_first + col(n, j);
-            prob[j] = ptx::exp2(acc[mt][n][2 * r + j] * scale_log2 - lse_log2);
+            const float x = logits.value(acc[mt][n][2 * r + j]);
+            slope[j] = logits.slope(x);
+            prob[j] = ptx::exp2(x * scale_log2 - lse_log2);
             if (masked && (k < seen.begin || k >= seen.end || !band.same_segment(q, k))) prob[j] = 0.f;
           }
-          p_packed[mt][n][r] = ptx::pack2<T>(prob[0], prob[1]);
-          ptx::st_shared_b32(st_p(n, mt * 16 + r * 8), p_packed[mt][n][r]);
+          const uint32_t packed = ptx::pack2<T>(prob[0], prob[1]);
+          ptx::st_shared_b32(st_p(n, mt * 16 + r * 8), packed);
+          p_for_ds[mt][n][r] = kSoftcap ? ptx::pack2<T>(prob[0] * slope[0], prob[1] * slope[1]) : packed;
         }
       }
 
-    // dS = scale * P (dP - delta).
+    // dS = P (dP - delta) * scale (* slope with a cap, inside p_for_ds).
     product(stage_offset + kDoFromQ, kVFromK);
 #pragma unroll
     for (int mt = 0; mt < kSdpMTiles; ++mt)
@@ -206,7 +213,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
         const float delta = stats[kBlockM + row(mt, r)];
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
-          const float2 prob = ptx::unpack2<T>(p_packed[mt][n][r]);
+          const float2 prob = ptx::unpack2<T>(p_for_ds[mt][n][r]);
           const float ds0 = prob.x * (acc[mt][n][2 * r] - delta) * p.scale;
           const float ds1 = prob.y * (acc[mt][n][2 * r + 1] - delta) * p.scale;
           ptx::st_shared_b32(st_p(n, mt * 16 + r * 8) + kDsFromP, ptx::pack2<T>(ds0, ds1));

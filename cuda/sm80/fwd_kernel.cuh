@@ -10,6 +10,7 @@
 
 #include <cmath>
 
+#include "common/logits.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
 #include "common/ptx.cuh"
@@ -18,9 +19,8 @@
 
 namespace jax_flash::sm80 {
 
-// kMasked: per-batch sequence lengths and segment ids (mask.cuh); without, those reads are
-// compiled out, which keeps the plain kernels' registers.
-template <typename Cfg, bool kMasked>
+// kVariant (params.h): which of the masks (mask.cuh) and the soft cap (logits.cuh) are read.
+template <typename Cfg, Variant kVariant>
 __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   using T = typename Cfg::T;
   using QTile = typename Cfg::QTile;
@@ -31,6 +31,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   constexpr int kDTiles = kHeadDim / 8;   // n8 tiles of O per warp
   constexpr int kKSteps = kHeadDim / 16;  // k16 steps of Q K^T
   constexpr float kLog2e = 1.4426950408889634f;
+  constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
 
   extern __shared__ __align__(128) char smem[];
   const uint32_t sQ = ptx::smem_addr(smem);
@@ -42,6 +43,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   const int q_first = m_block * kBlockM;
   const int rows_valid = min(kBlockM, p.seqlen_q - q_first);
   const Band band = Band::from<kMasked>(p, batch);
+  const auto logits = Logits<kSoftcap>::from(p);
 
   const int64_t q_row_stride = int64_t(p.heads) * kHeadDim;
   const int64_t kv_row_stride = int64_t(p.kv_heads) * kHeadDim;
@@ -137,9 +139,17 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
       }
     };
 
-    // Band mask, then the online softmax of block j; leaves P in acc_s.
+    // Soft cap, band mask, then the online softmax of block j; leaves P in acc_s.
     auto softmax = [&](float (&acc_s)[kMTiles][kNTiles][4], int j) {
       const int k_first = (n_end - 1 - j) * kBlockN;
+      if constexpr (kSoftcap) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc_s[mt][n][i] = logits.value(acc_s[mt][n][i]);
+      }
       // Only blocks that straddle the band or the end of the keys need the mask.
       if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
 #pragma unroll
@@ -158,7 +168,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
           }
       }
       // Base 2 with the scale folded in (one FFMA per element).
-      const float scale_log2 = p.scale * kLog2e;
+      const float scale_log2 = logits.unit * kLog2e;
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -276,7 +286,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
       ptx::st_shared_b32(sQ + QTile::offset(row, d) + (lane % 4) * 4, packed);
     }
     if (lane % 4 == 0 && row < rows_valid) {
-      gLse[row] = empty ? -INFINITY : row_max[mt][r] * p.scale + logf(sum);
+      gLse[row] = empty ? -INFINITY : row_max[mt][r] * logits.unit + logf(sum);
     }
   }
   __syncwarp();

@@ -29,6 +29,7 @@
 #include <cmath>
 
 #include "common/bwd_walk.cuh"
+#include "common/logits.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
 #include "common/ptx.cuh"
@@ -83,9 +84,8 @@ struct BwdTensorMaps {
   CUtensorMap q, dout, k, v, dk, dv, dq_accum;
 };
 
-// kMasked: per-batch sequence lengths and segment ids (mask.cuh); without, those reads are
-// compiled out, which keeps the plain kernels' registers.
-template <typename Cfg, bool kMasked>
+// kVariant (params.h): which of the masks (mask.cuh) and the soft cap (logits.cuh) are read.
+template <typename Cfg, Variant kVariant>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     bwd_kernel(const __grid_constant__ BwdTensorMaps maps, const BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -94,6 +94,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kStages = Cfg::kStages;
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
+  constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
 
   extern __shared__ char smem[];
   const uint32_t align = (1024 - (ptx::smem_addr(smem) & 1023)) & 1023;
@@ -222,7 +223,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // column accum_col(i).
   auto accum_row = [&](int i) { return ((i % 4) / 2) * 8 + lane / 4; };
   auto accum_col = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
-  const float scale_log2 = p.scale * kLog2e;
+  const auto logits = Logits<kSoftcap>::from(p);
+  const float scale_log2 = logits.unit * kLog2e;
   // dQ: at H = 128 this consumer's 64 columns over all keys, at H = 64 all columns over its keys.
   constexpr int kDqKeys = Cfg::kDqSplitsColumns ? kBlockN : 64;
   const uint32_t ds_rows0 = Cfg::kDqSplitsColumns ? 0 : consumer * 64 * 128;
@@ -269,17 +271,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     issue_transposed(dpt, sV, sDo(stage), do_full(stage), s);
     // This thread's columns' statistics (two adjacent queries per n8 tile), read while the
     // products run: stats(stage base)[n] = values of columns accum_col(4 n), accum_col(4 n) + 1.
-    auto load_stats = [&](uint32_t stats, float2 (&v)[kBlockM / 8]) {
+    auto stats_of_tile = [&](uint32_t stats, int n) {
       const float* f = reinterpret_cast<const float*>(base + (stats - base_addr));
-#pragma unroll
-      for (int n = 0; n < kBlockM / 8; ++n) v[n] = *reinterpret_cast<const float2*>(f + accum_col(4 * n));
+      return *reinterpret_cast<const float2*>(f + accum_col(4 * n));
     };
+    auto load_stats = [&](uint32_t stats, float2 (&v)[kBlockM / 8]) {
+#pragma unroll
+      for (int n = 0; n < kBlockM / 8; ++n) v[n] = stats_of_tile(stats, n);
+    };
+    // Read while the products run, except with a cap, whose variant has no registers for them.
     float2 lse[kBlockM / 8];
-    load_stats(sLse(stage), lse);
+    if constexpr (!kSoftcap) load_stats(sLse(stage), lse);
 
     // P^T, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
-    ptx::wgmma_wait<1>();
+    ptx::wgmma_wait<kSoftcap ? 0 : 1>();
     ptx::fence_registers(st);
+    float2 delta[kBlockM / 8];
+    if constexpr (kSoftcap) {
+      // S^T becomes the tanh values (logits.cuh). This variant waits for dP^T as well, so that
+      // the tanh slopes go straight into it: dpt = (dP^T - delta) * slope. Kept apart until
+      // dS^T, the slopes would take 32-64 more registers and spill.
+      ptx::fence_registers(dpt);
+#pragma unroll
+      for (int n = 0; n < kBlockM / 8; ++n) {
+        const float2 d = stats_of_tile(sDelta(stage), n);
+#pragma unroll
+        for (int i = 4 * n; i < 4 * n + 4; ++i) {
+          st[i] = logits.value(st[i]);
+          dpt[i] = (dpt[i] - (i % 2 ? d.y : d.x)) * logits.slope(st[i]);
+        }
+      }
+    }
     if (!band.all_visible(q_first, q_first + kBlockM - 1, key0, key0 + 63)) {
       const int k0 = key0 + warp * 16 + lane / 4;  // this thread's keys: k0 and k0 + 8
       const Range seeing[2] = {band.queries_seeing(k0), band.queries_seeing(k0 + 8)};
@@ -290,8 +312,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
     }
 #pragma unroll
-    for (int i = 0; i < kSRegs; ++i) {
-      st[i] = ptx::exp2(st[i] * scale_log2 - (i % 2 ? lse[i / 4].y : lse[i / 4].x));
+    for (int n = 0; n < kBlockM / 8; ++n) {
+      const float2 l = kSoftcap ? stats_of_tile(sLse(stage), n) : lse[n];
+#pragma unroll
+      for (int i = 4 * n; i < 4 * n + 4; ++i) st[i] = ptx::exp2(st[i] * scale_log2 - (i % 2 ? l.y : l.x));
     }
     // As A operands of k16 steps over the step's queries: the accumulator and A layouts agree.
     uint32_t pa[kBlockM / 16][4];
@@ -300,14 +324,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int j = 0; j < 4; ++j) pa[kk][j] = ptx::pack2<T>(st[8 * kk + 2 * j], st[8 * kk + 2 * j + 1]);
 
-    float2 delta[kBlockM / 8];
-    load_stats(sDelta(stage), delta);
+    if constexpr (!kSoftcap) load_stats(sDelta(stage), delta);
 
     // dV += P^T dO.
     ptx::wgmma_fence();
     issue_over_queries(dv, pa, sDo(stage));
 
-    // dS^T = P^T (dP^T - delta) * scale, from the 16-bit P (the precision dV used).
+    // dS^T = P^T (dP^T - delta) * scale (with a cap, dpt holds (dP^T - delta) * slope), from the
+    // 16-bit P (the precision dV used).
     ptx::wgmma_wait<1>();
     ptx::fence_registers(dpt);
     uint32_t dsa[kBlockM / 16][4];
@@ -317,7 +341,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int j = 0; j < 4; ++j) {
         const int i = 8 * kk + 2 * j;  // elements i, i + 1: one row, two adjacent queries
         const float2 prob = ptx::unpack2<T>(pa[kk][j]);
-        const float2 d = delta[i / 4];
+        const float2 d = kSoftcap ? float2{0.f, 0.f} : delta[i / 4];
         dsa[kk][j] = ptx::pack2<T>(prob.x * (dpt[i] - d.x) * p.scale, prob.y * (dpt[i + 1] - d.y) * p.scale);
         // To shared memory for dQ: row = key (of the CTA's 128), 16-byte chunk = 8 queries.
         const int row = consumer * 64 + warp * 16 + accum_row(i), chunk = i / 4;

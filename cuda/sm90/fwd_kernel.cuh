@@ -21,6 +21,7 @@
 
 #include <cmath>
 
+#include "common/logits.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
 #include "common/ptx.cuh"
@@ -61,9 +62,8 @@ struct FwdTensorMaps {
   CUtensorMap q, k, v, o;
 };
 
-// kMasked: per-batch sequence lengths and segment ids (mask.cuh); without, those reads are
-// compiled out, which keeps the plain kernels' registers.
-template <typename Cfg, bool kMasked>
+// kVariant (params.h): which of the masks (mask.cuh) and the soft cap (logits.cuh) are read.
+template <typename Cfg, Variant kVariant>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdTensorMaps maps, const FwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -72,6 +72,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kStages = Cfg::kStages;
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
+  constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
 
   extern __shared__ char smem[];
   const uint32_t sQ = (ptx::smem_addr(smem) + 1023) & ~1023u;
@@ -154,7 +155,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < kORegs; ++i) o[c][i] = 0.f;
 
-  const float scale_log2 = p.scale * kLog2e;
+  const auto logits = Logits<kSoftcap>::from(p);
+  const float scale_log2 = logits.unit * kLog2e;
 
   // S = Q K_j^T issued (not waited for): k16 steps along the head dim, 4 per 64-column panel
   // (32 bytes each).
@@ -187,10 +189,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
     ptx::wgmma_commit();
   };
-  // Band mask (only blocks that straddle the band or the end of the keys), then the online softmax
-  // of block j: S becomes exp2(S - max) in place; returns the factor O must be scaled by.
+  // Soft cap, band mask (only blocks that straddle the band or the end of the keys), then the
+  // online softmax of block j: S becomes exp2(S - max) in place; returns the factor O must be
+  // scaled by.
   auto softmax = [&](float (&s)[kSRegs], int j, float (&rescale)[2]) {
     const int k_first = block_key_first(j);
+    if constexpr (kSoftcap) {
+#pragma unroll
+      for (int i = 0; i < kSRegs; ++i) s[i] = logits.value(s[i]);
+    }
     if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
       const Range seen[2] = {band.keys_seen_by(q_first + row_in_tile(0)), band.keys_seen_by(q_first + row_in_tile(1))};
 #pragma unroll
@@ -313,7 +320,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         ptx::st_shared_b32(addr, ptx::pack2<T>(o[c][4 * n + 2 * r] * inv, o[c][4 * n + 2 * r + 1] * inv));
       }
     if (lane % 4 == 0 && row < rows_valid) {
-      gLse[row] = empty ? -INFINITY : row_max[r] * p.scale + logf(sum);
+      gLse[row] = empty ? -INFINITY : row_max[r] * logits.unit + logf(sum);
     }
   }
   ptx::fence_proxy_async_shared();

@@ -1,0 +1,27 @@
+// From the raw scores s = q . k to the logits the softmax sees: scale * s, or with a soft cap c
+// (Gemma 2) c * tanh(scale * s / c). Either way a kernel keeps one value x per element with
+// logit = unit * x (x = s, unit = scale; or x = tanh(scale * s / c), unit = c), so the softmax
+// folds `unit` into its exp2 exactly as without a cap: the cap costs one tanh per element.
+#pragma once
+
+#include "common/params.h"
+#include "common/ptx.cuh"
+
+namespace jax_flash {
+
+template <bool kSoftcap>
+struct Logits {
+  float tanh_scale;  // scale / c (with a cap)
+  float unit;        // logit = unit * value
+
+  __device__ __forceinline__ static Logits from(const FwdParams& p) {
+    return kSoftcap ? Logits{p.scale / p.softcap, p.softcap} : Logits{0.f, p.scale};
+  }
+  __device__ __forceinline__ float value(float s) const { return kSoftcap ? ptx::tanh(s * tanh_scale) : s; }
+
+  // The backward's dS = P (dP - delta) * d logit / d s takes d logit / d s = scale * slope(x):
+  // under a cap the tanh's slope 1 - x^2 (0 for a masked x = -inf), without one 1.
+  __device__ __forceinline__ static float slope(float x) { return kSoftcap ? fmaxf(0.f, 1.f - x * x) : 1.f; }
+};
+
+}  // namespace jax_flash
