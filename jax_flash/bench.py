@@ -3,7 +3,7 @@ imports, FlashAttention-3's JAX binding, on the same inputs in one run.
 
     python -m jax_flash.bench [--quick] [--plot out.png] [--head-dims 64 128] [--seqlens 2048 4096]
                               [--json out.json]
-    python -m jax_flash.bench --masks     (the cost of masks, jax_flash/bench_masks.py)
+    python -m jax_flash.bench --masks     (masks and softcap against causal, bench_masks.py)
 
 The grid is the FlashAttention papers': 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / d), bf16. FLOPs: forward 4·b·h·s²·d, halved when causal; backward 2.5x the
@@ -198,7 +198,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--seqlens", type=int, nargs="+", help="sequence lengths to run")
     parser.add_argument("--plot", metavar="PNG", help="write TFLOP/s vs seqlen per implementation")
     parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
-    parser.add_argument("--masks", action="store_true", help="time masks against causal instead")
+    parser.add_argument("--masks", action="store_true", help="time masks and the soft cap against causal instead")
     args = parser.parse_args(argv)
     if args.masks:
         from jax_flash import bench_masks

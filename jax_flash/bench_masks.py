@@ -1,9 +1,10 @@
-"""Cost of masks: `python -m jax_flash.bench --masks`.
+"""Cost of masks and of the soft cap: `python -m jax_flash.bench --masks`.
 
 One long row (16384 tokens, d = 128, 16 heads, bf16 on a GPU; 1024 tokens on a CPU) under each
 mask, timed forward and forward + backward, as a fraction of the causal time. Work should follow
 the unmasked area: a 512-token window is 1/16 of the causal area at 16k, eight packed causal
-documents 1/8, half-length padded keys about 1/4.
+documents 1/8, half-length padded keys about 1/4. The soft cap adds a tanh per logit to the
+causal case: its fraction is its cost.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def cases(seqlen: int) -> dict[str, dict]:
         "8 packed documents (causal)": dict(is_causal=True, q_segment_ids=documents, kv_segment_ids=documents),
         "keys padded to half (causal)": dict(is_causal=True,
                                              key_value_seq_lengths=jnp.asarray([seqlen // 2], jnp.int32)),
+        "softcap 30 (causal)": dict(is_causal=True, softcap=30.0),
     }
 
 

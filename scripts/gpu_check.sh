@@ -9,7 +9,7 @@
 #   the sanitize step: compute-sanitizer memcheck and racecheck on every kernel of a forward and
 #   backward, causal and not, tails included (not part of all); SANITIZE_KERNEL=name limits them
 #   to kernels whose name contains it; MASKS=1 runs them with lengths and segment ids (the masked
-#   kernels)
+#   kernels), SOFTCAP=c with that soft cap (the softcap kernels)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
@@ -52,7 +52,7 @@ if [[ $step == sanitize ]]; then
       echo "== $tool ${causal:-non-causal}" | tee -a "$OUT/sanitize.log"
       compute-sanitizer --tool $tool ${SANITIZE_KERNEL:+--kernel-name "kns=$SANITIZE_KERNEL"} --error-exitcode 1 \
         $PY scripts/profile_once.py --head-dim ${SANITIZE_HEAD_DIM:-128} --seqlen 1000 --tokens 2000 $causal \
-        ${MASKS:+--masks} \
+        ${MASKS:+--masks} ${SOFTCAP:+--softcap $SOFTCAP} \
         >> "$OUT/sanitize.log" 2>&1 && echo clean | tee -a "$OUT/sanitize.log" || echo "ERRORS (see sanitize.log)"
     done
   done

@@ -20,6 +20,7 @@ parser.add_argument("--causal", action="store_true")
 parser.add_argument("--tokens", type=int, default=16384, help="batch x seqlen (rounded up)")
 parser.add_argument("--masks", action="store_true",
                     help="sequence lengths and four packed documents a row (the masked kernels)")
+parser.add_argument("--softcap", type=float, default=None, help="logit soft cap (the softcap kernels)")
 args = parser.parse_args()
 
 dims = (-(-args.tokens // args.seqlen), args.seqlen, 2048 // args.head_dim, args.head_dim)
@@ -36,7 +37,8 @@ if args.masks:
 @jax.jit
 def fwd_bwd(q, k, v, do):
     out, vjp = jax.vjp(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=args.causal,
-                                                           implementation="cuda", **masks), q, k, v)
+                                                           implementation="cuda", softcap=args.softcap, **masks),
+                        q, k, v)
     return out, vjp(do)
 
 

@@ -15,7 +15,7 @@ def test_quick_benchmark_table_and_plot(tmp_path, capsys):
 
 def test_masks_benchmark(capsys):
     rows = bench.main(["--masks"])
-    assert [r["case"] for r in rows][0] == "causal" and len(rows) == 4
+    assert [r["case"] for r in rows][0] == "causal" and len(rows) == 5
     assert all(r["fwd"] > 0 and r["fwd_bwd"] > r["fwd"] for r in rows)
     out = capsys.readouterr().out
-    assert "| 8 packed documents (causal) |" in out and "fwd / causal" in out
+    assert "| 8 packed documents (causal) |" in out and "| softcap 30 (causal) |" in out and "fwd / causal" in out
