@@ -2,6 +2,8 @@
 // windows, bottom-right aligned), per-batch sequence lengths and segment ids (packed documents).
 #pragma once
 
+#include <type_traits>
+
 #include "common/params.h"
 
 namespace jax_flash {
@@ -71,9 +73,25 @@ struct Band {
     if (k >= seqlen_k) return {0, 0};
     return {right < 0 ? 0 : k - offset - right, left < 0 ? seqlen_q : min(seqlen_q, k - offset + left + 1)};
   }
+  // A kernel's mask loop, unswitched: fn(std::true_type{}) with segment ids, fn(std::false_type{})
+  // without, so that neither copy branches per element (and the id loads issue together).
+  template <typename Fn>
+  __device__ __forceinline__ void with_segments(Fn&& fn) const {
+    if (segments()) {
+      fn(std::true_type{});
+    } else {
+      fn(std::false_type{});
+    }
+  }
+  // Per element, in one copy of a mask loop: the sm80 kernels and the sm90 backward, which spill
+  // with two (with_segments).
   __device__ __forceinline__ bool same_segment(int q, int k) const {
     return !segments() || __ldg(q_seg + q) == __ldg(kv_seg + k);
   }
+  // Segment ids (with segments only). Rows and keys past the lengths, outside every range anyway
+  // and maybe past the tensors' ends, read the last valid one: a clamp, not a branch.
+  __device__ __forceinline__ int q_segment(int q) const { return __ldg(q_seg + max(0, min(q, seqlen_q - 1))); }
+  __device__ __forceinline__ int kv_segment(int k) const { return __ldg(kv_seg + max(0, min(k, seqlen_k - 1))); }
 
   // Keys that rows [q_first, q_last] can see lie in the returned range (empty: none).
   __device__ __forceinline__ Range keys_of(int q_first, int q_last) const {

@@ -199,12 +199,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int i = 0; i < kSRegs; ++i) s[i] = logits.value(s[i]);
     }
     if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
-      const Range seen[2] = {band.keys_seen_by(q_first + row_in_tile(0)), band.keys_seen_by(q_first + row_in_tile(1))};
+      const int q[2] = {q_first + row_in_tile(0), q_first + row_in_tile(1)};
+      const Range seen[2] = {band.keys_seen_by(q[0]), band.keys_seen_by(q[1])};
+      band.with_segments([&](auto segments) {
+        constexpr bool kSegments = decltype(segments)::value;
+        const int q_segment[2] = {kSegments ? band.q_segment(q[0]) : 0, kSegments ? band.q_segment(q[1]) : 0};
 #pragma unroll
-      for (int i = 0; i < kSRegs; ++i) {
-        const int r = (i % 4) / 2, k = k_first + (i / 4) * 8 + (lane % 4) * 2 + i % 2;
-        if (k < seen[r].begin || k >= seen[r].end || !band.same_segment(q_first + row_in_tile(r), k)) s[i] = -INFINITY;
-      }
+        for (int i = 0; i < kSRegs; ++i) {
+          const int r = (i % 4) / 2, k = k_first + (i / 4) * 8 + (lane % 4) * 2 + i % 2;
+          const bool other_segment = kSegments && band.kv_segment(k) != q_segment[r];
+          if (k < seen[r].begin || k >= seen[r].end || other_segment) s[i] = -INFINITY;
+        }
+      });
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
