@@ -89,6 +89,28 @@ def deterministic() -> bool:
     return value == "1"
 
 
+def _vma(x) -> frozenset:
+    """The mesh axes `x` varies over inside shard_map (empty outside)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def vary_like(results, *inputs) -> tuple:
+    """`results` made varying over the mesh axes that `inputs` vary over. Inside `shard_map` an
+    ffi_call's results carry no varying axes, and a custom_vjp whose cotangents do not match its
+    inputs' types is refused (a gradient of the kernels inside shard_map, ring attention)."""
+    wanted = frozenset().union(*(_vma(x) for x in inputs))
+    cast = getattr(jax.lax, "pcast", None)
+    out = []
+    for r in results:
+        missing = tuple(sorted(wanted - _vma(r)))
+        if missing:
+            r = cast(r, missing, to="varying") if cast is not None else jax.lax.pvary(r, missing)
+        out.append(r)
+    return tuple(out)
+
+
 def forward(config, q, k, v, masks: KernelMasks):
     """(out [B, T, N, H], lse [B, N, T] float32) from the forward kernel; under vmap, one call
     with the mapped axis folded into the batch or the heads (_batching.py)."""
@@ -100,7 +122,7 @@ def forward(config, q, k, v, masks: KernelMasks):
         result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
         return jax.ffi.ffi_call("jax_flash_fwd", result_types)(q, k, v, *masks, **attrs)
 
-    return _batching.fold_queries_into_heads(run)(q, k, v, *masks)
+    return vary_like(_batching.fold_queries_into_heads(run)(q, k, v, *masks), q, k, v)
 
 
 def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks):
@@ -126,4 +148,4 @@ def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks):
 
     dq_accum, dk, dv, *_ = _batching.fold_into_batch(run)(q, k, v, out, lse.astype(jnp.float32), d_out,
                                                           d_lse.astype(jnp.float32), *masks)  # fmt: skip
-    return dq_accum.astype(q.dtype), dk, dv
+    return vary_like((dq_accum.astype(q.dtype), dk, dv), q, k, v, out, d_out)

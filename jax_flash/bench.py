@@ -4,6 +4,7 @@ imports, FlashAttention-3's JAX binding, on the same inputs in one run.
     python -m jax_flash.bench [--quick] [--plot out.png] [--head-dims 64 128] [--seqlens 2048 4096]
                               [--json out.json]
     python -m jax_flash.bench --masks     (masks and softcap against causal, bench_masks.py)
+    python -m jax_flash.bench --ring [--ring-seqlen L]   (ring attention on 2+ GPUs, bench_ring.py)
 
 The grid is the FlashAttention papers': 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / d), bf16. FLOPs: forward 4·b·h·s²·d, halved when causal; backward 2.5x the
@@ -199,7 +200,17 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--plot", metavar="PNG", help="write TFLOP/s vs seqlen per implementation")
     parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     parser.add_argument("--masks", action="store_true", help="time masks and the soft cap against causal instead")
+    parser.add_argument("--ring", action="store_true", help="time ring attention over every GPU instead")
+    parser.add_argument("--ring-seqlen", type=int, default=32768, help="tokens per device for --ring")
     args = parser.parse_args(argv)
+    if args.ring:
+        from jax_flash import bench_ring
+
+        rows = bench_ring.run(args.ring_seqlen)
+        print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+              f"{args.ring_seqlen} tokens per device, 16 heads, d = 128, bf16")
+        print(bench_ring.table(rows))
+        return rows
     if args.masks:
         from jax_flash import bench_masks
 
