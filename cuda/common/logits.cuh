@@ -20,8 +20,9 @@ struct Logits {
   __device__ __forceinline__ float value(float s) const { return kSoftcap ? ptx::tanh(s * tanh_scale) : s; }
 
   // The backward's dS = P (dP - delta) * d logit / d s takes d logit / d s = scale * slope(x):
-  // under a cap the tanh's slope 1 - x^2 (0 for a masked x = -inf), without one 1.
-  __device__ __forceinline__ static float slope(float x) { return kSoftcap ? fmaxf(0.f, 1.f - x * x) : 1.f; }
+  // under a cap the tanh's slope 1 - x^2, without one 1. The kernels take it before masking
+  // (x = -inf would give -inf, and P = 0 times that NaN).
+  __device__ __forceinline__ static float slope(float x) { return kSoftcap ? 1.f - x * x : 1.f; }
 };
 
 }  // namespace jax_flash
