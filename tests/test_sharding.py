@@ -14,6 +14,10 @@ from jax_flash import _ffi
 from tests import reference
 from tests.cases import qkv, rng_for
 
+shard_map = getattr(jax, "shard_map", None)
+if shard_map is None:  # older jax
+    from jax.experimental.shard_map import shard_map
+
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
 
 
@@ -59,9 +63,6 @@ def test_attention_inside_shard_map():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices("cpu")[:8])
     q, k, v = qkv(rng_for("shard_map"), jnp.float32, 8, 40, 40, 4, 2, 16)
     spec = P("data")
-    shard_map = getattr(jax, "shard_map", None)
-    if shard_map is None:  # older jax
-        from jax.experimental.shard_map import shard_map
     attn = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation="xla")  # noqa: E731
     per_device = shard_map(attn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
     np.testing.assert_allclose(jax.jit(per_device)(q, k, v), attn(q, k, v), rtol=1e-5, atol=1e-6)
@@ -98,9 +99,6 @@ def test_kernel_results_vary_like_their_inputs_inside_shard_map():
     """An ffi_call's results carry no varying mesh axes; `_ffi.vary_like` gives them the inputs'
     (else the custom_vjp of a kernel call inside shard_map refuses its cotangents)."""
     mesh = jax.make_mesh((2,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices("cpu")[:2])
-    shard_map = getattr(jax, "shard_map", None)
-    if shard_map is None:  # older jax
-        from jax.experimental.shard_map import shard_map
     seen = {}
 
     def local(x):
