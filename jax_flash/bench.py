@@ -86,6 +86,16 @@ def _median_loop_seconds(fn, args, loops: int = 5, calls: int = 10) -> float:
     return statistics.median(times)
 
 
+def fwd_and_fwd_bwd_seconds(attn: Callable, args) -> tuple[float, float]:
+    """Seconds of attn(q, k, v) and of its forward + backward (the vjp of do), args = (q, k, v, do)."""
+
+    def fwd_bwd(q, k, v, do):
+        _, vjp = jax.vjp(attn, q, k, v)
+        return vjp(do)
+
+    return _median_loop_seconds(jax.jit(attn), tuple(args[:3])), _median_loop_seconds(jax.jit(fwd_bwd), tuple(args))
+
+
 def measure(attn: Callable, shape: Shape, dtype) -> tuple[float | None, float | None]:
     """(forward seconds, backward seconds); None where the implementation fails on this shape."""
     keys = jax.random.split(jax.random.key(shape.seqlen * 7 + shape.head_dim), 4)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash.bench import _median_loop_seconds
+from jax_flash.bench import fwd_and_fwd_bwd_seconds
 
 
 def cases(seqlen: int) -> dict[str, dict]:
@@ -35,14 +35,9 @@ def run() -> list[dict]:
     q, k, v, do = (jax.random.normal(key, (1, seqlen, heads, 128), dtype) for key in keys)
     rows = []
     for name, kw in cases(seqlen).items():
-        fwd = jax.jit(lambda q, k, v, kw=kw: jax_flash.attention(q, k, v, **kw))
-
-        def fwd_bwd(q, k, v, do, kw=kw):
-            out, vjp = jax.vjp(lambda q, k, v: jax_flash.attention(q, k, v, **kw), q, k, v)
-            return vjp(do)
-
-        rows.append({"case": name, "seqlen": seqlen, "fwd": _median_loop_seconds(fwd, (q, k, v)),
-                     "fwd_bwd": _median_loop_seconds(jax.jit(fwd_bwd), (q, k, v, do))})
+        fwd, fwd_bwd = fwd_and_fwd_bwd_seconds(lambda q, k, v, kw=kw: jax_flash.attention(q, k, v, **kw),
+                                               (q, k, v, do))
+        rows.append({"case": name, "seqlen": seqlen, "fwd": fwd, "fwd_bwd": fwd_bwd})
     return rows
 
 

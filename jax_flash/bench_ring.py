@@ -16,21 +16,11 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
-from jax_flash.bench import _median_loop_seconds
+from jax_flash.bench import fwd_and_fwd_bwd_seconds
 
 shard_map = getattr(jax, "shard_map", None)
 if shard_map is None:  # older jax
     from jax.experimental.shard_map import shard_map
-
-
-def _fwd_and_fwd_bwd(attn, args):
-    """Seconds of attn(q, k, v) and of its forward + backward (vjp with do)."""
-
-    def fwd_bwd(q, k, v, do):
-        _, vjp = jax.vjp(attn, q, k, v)
-        return vjp(do)
-
-    return _median_loop_seconds(jax.jit(attn), args[:3]), _median_loop_seconds(jax.jit(fwd_bwd), args)
 
 
 def run(per_device: int = 32768, heads: int = 16, head_dim: int = 128) -> list[dict]:
@@ -50,13 +40,13 @@ def run(per_device: int = 32768, heads: int = 16, head_dim: int = 128) -> list[d
             return jax_flash.ring_attention(q, k, v, axis_name="sp", is_causal=causal)
 
         ring = shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-        ring_times = _fwd_and_fwd_bwd(ring, sharded)
+        ring_times = fwd_and_fwd_bwd_seconds(ring, sharded)
         if causal:  # the whole causal problem on one GPU, a ring member's share of it
-            one = _fwd_and_fwd_bwd(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True), on_one)
+            one = fwd_and_fwd_bwd_seconds(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True), on_one)
             one = tuple(t / ring_size for t in one)
         else:  # one device's queries against every key
             q_local, do_local = on_one[0][:, :per_device], on_one[3][:, :per_device]
-            one = _fwd_and_fwd_bwd(jax_flash.attention, [q_local, on_one[1], on_one[2], do_local])
+            one = fwd_and_fwd_bwd_seconds(jax_flash.attention, [q_local, on_one[1], on_one[2], do_local])
         for name, ring_s, one_s in zip(("fwd", "fwd + bwd"), ring_times, one):
             rows.append({"case": "causal" if causal else "full", "pass": name, "ring_size": ring_size,
                          "tokens_per_device": per_device, "ring": ring_s, "one_gpu": one_s})
