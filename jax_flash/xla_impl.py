@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_flash._partition import vary_like
 from jax_flash._validation import AttentionConfig, Call
 
 DEFAULT_BLOCK_Q = 512
@@ -79,6 +80,10 @@ def _grouped_bnts(x, n: int, kv_heads: int, tp: int, sp: int):
     if sx > 1:
         x = _pad_axis(x, 4, sp)
     return x
+
+
+def _present(ops: _Operands) -> list[jax.Array]:
+    return [x for x in ops if x is not None]
 
 
 def _tile(x, q_start, bq: int, k_start, bk: int):
@@ -187,10 +192,10 @@ def _forward_q_block(cfg, plan, ops, iq):
                         preferred_element_type=acc)  # fmt: skip
         return m_new, rescale * l + p.sum(-1), rescale[..., None] * o + pv
 
-    # *_like, not zeros: the carries then take q's sharding and, inside shard_map, its varying
-    # manual axes, which the loop's outputs have.
+    # *_like, not zeros: the carries then take q's sharding. Inside shard_map they vary over the
+    # mesh axes of every operand, as the loop's outputs do.
     o0 = jnp.zeros_like(q_block, acc).transpose(0, 2, 3, 1, 4)  # [B, K, G, bq, H]
-    init = (o0[..., 0] - jnp.inf, o0[..., 0], o0)
+    init = vary_like((o0[..., 0] - jnp.inf, o0[..., 0], o0), *_present(ops))
     lo, hi = _key_block_range(cfg, plan, iq)
     m, l, o = lax.fori_loop(lo, hi, step, init)
     empty = l == 0  # fully masked rows: output 0, log-sum-exp -inf
@@ -231,6 +236,7 @@ def _backward(cfg, plan, ops, out, lse, d_out, d_lse):
         x = _pad_axis(x, 1, tp, fill).reshape(b, tp, kv_heads, g)
         return x.transpose(0, 2, 3, 1)
 
+    inputs = (*_present(ops), out, lse, d_out, d_lse)
     # D = rowsum(dO * O); a cotangent on the log-sum-exp enters as -dLSE (dLSE/dS = P).
     delta = jnp.sum(d_out.astype(acc) * out.astype(acc), axis=-1) - d_lse.astype(acc)
     delta = grouped_rows(delta, 0.0)
@@ -272,14 +278,15 @@ def _backward(cfg, plan, ops, out, lse, d_out, d_lse):
             return dq, dk, dv, dbias
 
         lo, hi = _key_block_range(cfg, plan, iq)
-        dq0 = jnp.zeros_like(q_block, acc)
+        (dq0,) = vary_like((jnp.zeros_like(q_block, acc),), *inputs)
         dq, dk, dv, dbias = lax.fori_loop(lo, hi, step, (dq0,) + carry)
         return (dk, dv, dbias), dq.reshape(b, plan.block_q, kv_heads * g, h)
 
     # zeros_like, not zeros: under explicit sharding the accumulators take the shardings of k and
-    # the bias, which the updates in the loop carry.
-    dbias0 = None if ops.bias is None else jnp.zeros_like(ops.bias, acc)
-    zeros_kv = jnp.zeros_like(ops.k, acc)
+    # the bias, which the updates in the loop carry. Inside shard_map they vary over the mesh axes
+    # of every input (with one kv head and the query heads split, each device's dK is a part).
+    dbias0 = None if ops.bias is None else vary_like((jnp.zeros_like(ops.bias, acc),), *inputs)[0]
+    (zeros_kv,) = vary_like((jnp.zeros_like(ops.k, acc),), *inputs)
     (dk, dv, dbias), dq = lax.scan(q_block_step, (zeros_kv, zeros_kv, dbias0),
                                    jnp.arange(plan.num_q_blocks))  # fmt: skip
     return _unblock(dq, t).astype(dtype), dk, dv, dbias
