@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _batching
+from jax_flash import _batching, _partition
 from jax_flash._masks import KernelMasks
 
 
@@ -89,26 +89,14 @@ def deterministic() -> bool:
     return value == "1"
 
 
-def _vma(x) -> frozenset:
-    """The mesh axes `x` varies over inside shard_map (empty outside)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+def call_kernel(target: str, result_types, operands, attrs: dict):
+    """One custom call. (A module-level function, so that the CPU tests of the partitioning can
+    put a pure-JAX stand-in for the kernels here.)"""
+    return jax.ffi.ffi_call(target, result_types)(*operands, **attrs)
 
 
-def vary_like(results, *inputs) -> tuple:
-    """`results` made varying over the mesh axes that `inputs` vary over. Inside `shard_map` an
-    ffi_call's results carry no varying axes, and a custom_vjp whose cotangents do not match its
-    inputs' types is refused (a gradient of the kernels inside shard_map, ring attention)."""
-    wanted = frozenset().union(*(_vma(x) for x in inputs))
-    cast = getattr(jax.lax, "pcast", None)
-    out = []
-    for r in results:
-        missing = tuple(sorted(wanted - _vma(r)))
-        if missing:
-            r = cast(r, missing, to="varying") if cast is not None else jax.lax.pvary(r, missing)
-        out.append(r)
-    return tuple(out)
+# _partition layouts of the KernelMasks operands: seqlens, q/kv segments, q/kv chunk summaries.
+_MASK_LAYOUTS = ("b-", "b-", "b-", "b--", "b--")
 
 
 def forward(config, q, k, v, masks: KernelMasks):
@@ -118,11 +106,15 @@ def forward(config, q, k, v, masks: KernelMasks):
     attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()))
 
     def run(q, k, v, *masks):
-        b, t, n, _ = q.shape
-        result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
-        return jax.ffi.ffi_call("jax_flash_fwd", result_types)(q, k, v, *masks, **attrs)
+        def kernel(q, k, v, *masks):
+            b, t, n, _ = q.shape
+            result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
+            return call_kernel("jax_flash_fwd", result_types, (q, k, v, *masks), attrs)
 
-    return vary_like(_batching.fold_queries_into_heads(run)(q, k, v, *masks), q, k, v)
+        layouts = ("b-n-", "b-k-", "b-k-") + _MASK_LAYOUTS, ("b-n-", "bn-")
+        return _partition.over_batch_and_heads(kernel, *layouts, q.shape[2], k.shape[2])(q, k, v, *masks)
+
+    return _partition.vary_like(_batching.fold_queries_into_heads(run)(q, k, v, *masks), q, k, v)
 
 
 def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks):
@@ -132,20 +124,26 @@ def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks):
     attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()), deterministic=np.int32(deterministic()))
 
     def run(q, k, v, out, lse, d_out, d_lse, *masks):
-        b, t, n, _ = q.shape
-        # Per-row statistics scratch, rows padded to whole query blocks (cuda/common/params.h).
-        padded_t = -(-t // _STATS_ROW_MULTIPLE) * _STATS_ROW_MULTIPLE
-        stats = jax.ShapeDtypeStruct((b, n, padded_t), jnp.float32)
-        result_types = (
-            jax.ShapeDtypeStruct(q.shape, jnp.float32),  # dQ accumulator, filled with atomics
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            stats,  # delta = rowsum(dO * O) - dlse
-            stats,  # lse in base 2
-            jax.ShapeDtypeStruct((b, n, padded_t // 64), jnp.int32),  # dQ turn counters (deterministic mode)
-        )
-        return jax.ffi.ffi_call("jax_flash_bwd", result_types)(q, k, v, out, lse, d_out, d_lse, *masks, **attrs)
+        def kernel(q, k, v, out, lse, d_out, d_lse, *masks):
+            b, t, n, _ = q.shape
+            # Per-row statistics scratch, rows padded to whole query blocks (cuda/common/params.h).
+            padded_t = -(-t // _STATS_ROW_MULTIPLE) * _STATS_ROW_MULTIPLE
+            stats = jax.ShapeDtypeStruct((b, n, padded_t), jnp.float32)
+            result_types = (
+                jax.ShapeDtypeStruct(q.shape, jnp.float32),  # dQ accumulator, filled with atomics
+                jax.ShapeDtypeStruct(k.shape, k.dtype),
+                jax.ShapeDtypeStruct(v.shape, v.dtype),
+                stats,  # delta = rowsum(dO * O) - dlse
+                stats,  # lse in base 2
+                jax.ShapeDtypeStruct((b, n, padded_t // 64), jnp.int32),  # dQ turn counters (deterministic mode)
+            )
+            return call_kernel("jax_flash_bwd", result_types, (q, k, v, out, lse, d_out, d_lse, *masks), attrs)
+
+        layouts = ("b-n-", "b-k-", "b-k-", "b-n-", "bn-", "b-n-", "bn-") + _MASK_LAYOUTS, \
+            ("b-n-", "b-k-", "b-k-", "bn-", "bn-", "bn-")  # fmt: skip
+        grads = _partition.over_batch_and_heads(kernel, *layouts, q.shape[2], k.shape[2])
+        return grads(q, k, v, out, lse, d_out, d_lse, *masks)
 
     dq_accum, dk, dv, *_ = _batching.fold_into_batch(run)(q, k, v, out, lse.astype(jnp.float32), d_out,
                                                           d_lse.astype(jnp.float32), *masks)  # fmt: skip
-    return vary_like((dq_accum.astype(q.dtype), dk, dv), q, k, v, out, d_out)
+    return _partition.vary_like((dq_accum.astype(q.dtype), dk, dv), q, k, v, out, d_out)

@@ -10,6 +10,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
+from tests import fake_kernels, reference
 from tests.cases import qkv, rng_for
 
 RING = 4
@@ -25,11 +26,11 @@ def _mesh():
     return jax.make_mesh((RING,), ("sp",), axis_types=(AxisType.Auto,), devices=devices[:RING])
 
 
-def _ring_fn(mesh, is_causal):
+def _ring_fn(mesh, is_causal, implementation="xla"):
     spec = P(None, "sp", None, None)
 
     def local(q, k, v):
-        return jax_flash.ring_attention(q, k, v, axis_name="sp", is_causal=is_causal, implementation="xla")
+        return jax_flash.ring_attention(q, k, v, axis_name="sp", is_causal=is_causal, implementation=implementation)
 
     return shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
 
@@ -60,6 +61,23 @@ def test_ring_matches_single_device(is_causal, heads):
     refs = jax.grad(single_loss, argnums=(0, 1, 2))(q, k, v)
     for name, mine, theirs in zip("qkv", grads, refs):
         np.testing.assert_allclose(mine, theirs, rtol=2e-4, atol=2e-5, err_msg=f"d{name}")
+
+
+def test_ring_on_the_kernel_path(monkeypatch):
+    """The ring's CUDA branch (kernel calls inside shard_map, their results' varying axes, the
+    backward from the whole sequence's lse) on CPU, with a pure-JAX stand-in for the kernels."""
+    fake_kernels.install(monkeypatch)
+    q, k, v = qkv(rng_for("ring-kernel-path"), jnp.bfloat16, 2, 64, 64, 4, 2, 32)
+    ring = _ring_fn(_mesh(), True, implementation="cuda")
+    zig, unzig = (lambda x: jax_flash.zigzag(x, RING)), (lambda x: jax_flash.unzigzag(x, RING))  # noqa: E731
+    ring_loss = lambda q, k, v: jnp.sum(unzig(ring(zig(q), zig(k), zig(v))).astype(jnp.float32) ** 2)  # noqa: E731
+    single = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation="xla")  # noqa: E731
+    single_loss = lambda q, k, v: jnp.sum(single(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
+    out = jax.jit(lambda q, k, v: unzig(ring(zig(q), zig(k), zig(v))))(q, k, v)
+    assert reference.rel_error(out, single(q, k, v)) < 1e-2
+    for mine, theirs in zip(jax.jit(jax.grad(ring_loss, argnums=(0, 1, 2)))(q, k, v),
+                            jax.grad(single_loss, argnums=(0, 1, 2))(q, k, v)):  # fmt: skip
+        assert reference.rel_error(mine, theirs) < 2e-2
 
 
 def test_ring_communicates_only_by_permutes():

@@ -1,0 +1,42 @@
+"""A pure-JAX stand-in for the two custom calls, for the CPU tests of what surrounds them.
+
+`call_kernel` has the signature of `jax_flash._ffi.call_kernel` and returns what the kernels
+return, computed by the xla path from the same operands and attributes. Put in its place (with
+the CUDA checks faked), `implementation="cuda"` runs its real Python on CPU: batching, padding,
+mask operands and the partitioning of the calls over sharded inputs.
+"""
+
+import jax.numpy as jnp
+
+from jax_flash import _ffi, xla_impl
+from jax_flash._validation import AttentionConfig, Call
+
+
+def _call(attrs: dict, q, k, v, seqlens, q_segments, kv_segments) -> Call:
+    bound = lambda w: None if int(w) < 0 else int(w)  # noqa: E731
+    config = AttentionConfig(float(attrs["scale"]), bound(attrs["window_left"]), bound(attrs["window_right"]),
+                             float(attrs["softcap"]) or None)  # fmt: skip
+    lengths = (seqlens[:, 0], seqlens[:, 1]) if seqlens.shape[1] else (None, None)
+    segments = (q_segments, kv_segments) if q_segments.shape[1] else (None, None)
+    return Call(q, k, v, None, None, *lengths, *segments, config, True)
+
+
+def call_kernel(target: str, result_types, operands, attrs: dict):
+    if target == "jax_flash_fwd":
+        q, k, v, seqlens, q_segments, kv_segments, _, _ = operands
+        out, lse = xla_impl.attention(_call(attrs, q, k, v, seqlens, q_segments, kv_segments))
+        return out, lse.transpose(0, 2, 1)
+    assert target == "jax_flash_bwd", target
+    q, k, v, out, lse, d_out, d_lse, seqlens, q_segments, kv_segments, _, _ = operands
+    call = _call(attrs, q, k, v, seqlens, q_segments, kv_segments)
+    dq, dk, dv, _ = xla_impl.backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse.transpose(0, 2, 1))
+    scratch = [jnp.zeros(r.shape, r.dtype) for r in result_types[3:]]
+    return (dq.astype(jnp.float32), dk, dv, *scratch)
+
+
+def install(monkeypatch):
+    """Make `implementation="cuda"` run on CPU through `call_kernel`."""
+    monkeypatch.setattr(_ffi, "extension", lambda: object())
+    monkeypatch.setattr(_ffi, "cuda_device_available", lambda: True)
+    monkeypatch.setattr(_ffi, "register_targets", lambda: ())
+    monkeypatch.setattr(_ffi, "call_kernel", call_kernel)
