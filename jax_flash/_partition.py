@@ -21,6 +21,7 @@ import math
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -160,19 +161,30 @@ def _explicit_sharding(x) -> NamedSharding | None:
     return sharding if used & explicit else None
 
 
+def _local_shape(shape, spec: P, mesh) -> tuple[int, ...]:
+    return tuple(size // math.prod(mesh.shape[a] for a in _axes(entry)) for size, entry in zip(shape, spec))
+
+
 def _over_explicit_axes(kernel: Callable, layouts_in, layouts_out, kv_heads: int, sharding, operands):
     mesh = sharding.mesh
     axes = _mesh_axes(mesh, sharding.spec, kv_heads)
     in_specs = tuple(_spec(layout, axes) for layout in layouts_in)
     out_specs = tuple(_spec(layout, axes) for layout in layouts_out)
     per_device = _per_device(kernel, layouts_out, axes)
+    # Zero-size operands (absent masks) are made inside the body: as operands of the manual
+    # computation they crashed XLA's GPU compiler (jaxlib 0.11.2, 2 H200s).
+    passed = [i for i, x in enumerate(operands) if x.size]
+    local_empty = {i: (_local_shape(x.shape, in_specs[i], mesh), x.dtype) for i, x in enumerate(operands) if not x.size}
 
-    def body(*local):
-        results = per_device(*local)
+    def body(*local_passed):
+        local = dict(zip(passed, local_passed))
+        local.update({i: jnp.zeros(shape, dtype) for i, (shape, dtype) in local_empty.items()})
+        results = per_device(*(local[i] for i in range(len(operands))))
         return tuple(_vary_over(r, {a for e in spec for a in _axes(e)}) for r, spec in zip(results, out_specs))
 
-    operands = tuple(jax.sharding.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(operands, in_specs))
-    return _shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*operands)
+    resharded = [jax.sharding.reshard(operands[i], NamedSharding(mesh, in_specs[i])) for i in passed]
+    in_passed = tuple(in_specs[i] for i in passed)
+    return _shard_map(body, mesh=mesh, in_specs=in_passed, out_specs=out_specs)(*resharded)
 
 
 def over_batch_and_heads(kernel: Callable, layouts_in: Sequence[str], layouts_out: Sequence[str],
