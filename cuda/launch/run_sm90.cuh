@@ -13,9 +13,9 @@
 
 namespace jax_flash {
 
-template <typename T, int kHeadDim, Variant kVariant>
-cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = sm90::FwdConfig<T, kHeadDim>;
+template <typename Cfg, Variant kVariant>
+cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+  constexpr int kHeadDim = Cfg::kHeadDim;
   sm90::FwdTensorMaps maps;
   for (cudaError_t e : {
            make_tensor_map_bthd(&maps.q, p.q, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
@@ -30,6 +30,19 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.batch * p.heads);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
   return cudaGetLastError();
+}
+
+template <typename T, int kHeadDim, Variant kVariant>
+cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+  // H = 64 without a band: 192-row tiles, +0-8% at 2k-16k; with one (causal, windows) they lost
+  // up to 7% to 128-row tiles, whose blocks on the diagonal waste less (docs/PERF.md, H5). Not with
+  // the soft cap, whose tanh makes the 160-register consumers spill.
+  if constexpr (kHeadDim == 64 && kVariant != Variant::kSoftcap) {
+    if (p.window_left < 0 && p.window_right < 0) {
+      return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 3>, kVariant>(p, stream);
+    }
+  }
+  return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim>, kVariant>(p, stream);
 }
 
 template <typename T, int kHeadDim, Variant kVariant>

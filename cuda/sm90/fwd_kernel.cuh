@@ -1,15 +1,15 @@
 // FlashAttention forward on Hopper (sm_90a): TMA, mbarriers, wgmma, warp specialisation.
 //
-// A CTA computes kBlockM = 128 query rows of one head with three warp groups. Warp group 0 is the
-// producer: one thread issues bulk tensor copies (TMA) of Q once and of K and V per key block into
-// kStages shared-memory stages, each completing on a "full" mbarrier; it gives most of its
-// registers to the consumers (setmaxnreg). Warp groups 1 and 2 are consumers of 64 rows each:
+// A CTA computes kBlockM = 128 query rows of one head (192 at H = 64) with three warp groups (four).
+// Warp group 0 is the producer: one thread issues bulk tensor copies (TMA) of Q once and of K and V
+// per key block into kStages shared-memory stages, each completing on a "full" mbarrier; it gives
+// most of its registers to the consumers (setmaxnreg). The others are consumers of 64 rows each:
 // S = Q K^T by wgmma with both operands in shared memory, the online softmax on the accumulators in
 // registers (the same per-thread layout as mma.sync, so rows stay inside a quad), then O += P V by
 // wgmma with P from registers; each releases a stage through its "empty" mbarriers. Two overlaps
 // after FlashAttention-3: inside a consumer, the softmax of key block j runs while S_j's successor
-// products are in flight (see the pipeline below), and the two consumers take turns issuing their
-// wgmma (ping-pong), so that one's softmax runs under the other's products. Key blocks are visited
+// products are in flight (see the pipeline below), and the consumers take turns issuing their
+// wgmma (ping-pong), so that one's softmax runs under the others' products. Key blocks are visited
 // from the last one down, so that the blocks needing the band mask come first. The epilogue
 // writes O into the consumer's rows of the Q tile and stores them with TMA.
 //
@@ -29,12 +29,16 @@
 
 namespace jax_flash::sm90 {
 
-template <typename T_, int kHeadDim_>
+// kConsumers: warp groups of 64 query rows. Three (192-row tiles, as FlashAttention-3) only at
+// H = 64, where the softmax is half the work and a third group's products give it more to hide
+// under; the launcher picks them where no band masks the rows (run_sm90.cuh).
+template <typename T_, int kHeadDim_, int kConsumers_ = 2>
 struct FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "whole 64-column panels");
-  static constexpr int kConsumers = 2;  // warp groups of 64 query rows
+  static constexpr int kConsumers = kConsumers_;
+  static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64), "registers for three at H = 64 only");
   static constexpr int kBlockM = 64 * kConsumers;
   // S (64 x kBlockN fp32 per warp group) and O (64 x H) share a consumer's 232 registers.
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
@@ -51,7 +55,8 @@ struct FwdConfig {
   // O is computed in chunks of at most 128 columns (one wgmma n128 each).
   static constexpr int kOChunkCols = kHeadDim < 128 ? kHeadDim : 128;
   static constexpr int kOChunks = kHeadDim / kOChunkCols;
-  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  static constexpr int kProducerRegs = kConsumers == 3 ? 24 : 40;
+  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 232;
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
@@ -258,19 +263,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // the tensor cores compute S_j and then P_{j-1} V_{j-1}, this warp group runs the softmax of
   // block j. O is scaled for block j only after P_{j-1} V_{j-1} has landed in it.
   //
-  // Ping-pong between the two consumers (FlashAttention-3's inter-warpgroup overlap): they take
-  // turns issuing their wgmma, so that one's softmax runs while the other's products occupy the
-  // tensor cores. Named barrier 3 + c opens consumer c's turn: c syncs on it (128 threads) and the
-  // other consumer arrives (128). Consumer 0 goes first.
-  static_assert(Cfg::kConsumers == 2, "the turn order is written for two consumers");
-  auto wait_turn = [&] { ptx::named_barrier_sync(3 + consumer, 256); };
-  auto pass_turn = [&] { ptx::named_barrier_arrive(3 + (1 - consumer), 256); };
+  // Ping-pong between the consumers (FlashAttention-3's inter-warpgroup overlap): they take turns
+  // issuing their wgmma, in rotation, so that one's softmax runs while the others' products occupy
+  // the tensor cores. Named barrier kTurnBarrier + c opens consumer c's turn: c syncs on it (128
+  // threads) and the consumer before it in the rotation arrives (128). Consumer 0 goes first.
+  // (Barriers 1 .. kConsumers are the epilogue's.)
+  constexpr int kTurnBarrier = 1 + Cfg::kConsumers;
+  auto wait_turn = [&] { ptx::named_barrier_sync(kTurnBarrier + consumer, 256); };
+  auto pass_turn = [&] { ptx::named_barrier_arrive(kTurnBarrier + (consumer + 1) % Cfg::kConsumers, 256); };
+  constexpr int kLastConsumer = Cfg::kConsumers - 1;
 
   if (blocks > 0) {
     ptx::mbarrier_wait(q_full, 0);
     float s[kSRegs], rescale[2];
     uint32_t pa[kBlockN / 16][4];
-    if (consumer == 1) pass_turn();
+    if (consumer == kLastConsumer) pass_turn();  // opens consumer 0's first turn
     wait_turn();
     issue_s(s, 0);
     pass_turn();
@@ -297,8 +304,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     wait_turn();
     issue_pv(pa, blocks - 1);
-    // Consumer 1's last turn is the last of all: nobody waits for it to pass.
-    if (consumer == 0) pass_turn();
+    // The last consumer's last turn is the last of all: nobody waits for it to pass.
+    if (consumer != kLastConsumer) pass_turn();
     ptx::wgmma_wait<0>();
     fence_o();
     ptx::fence_registers(pa);
