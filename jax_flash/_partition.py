@@ -26,9 +26,9 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-_shard_map = getattr(jax, "shard_map", None)
-if _shard_map is None:  # older jax
-    from jax.experimental.shard_map import shard_map as _shard_map
+shard_map = getattr(jax, "shard_map", None)
+if shard_map is None:  # older jax
+    from jax.experimental.shard_map import shard_map
 
 
 def varying_axes(x) -> frozenset:
@@ -59,6 +59,11 @@ def _axes(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec_axes(spec) -> set[str]:
+    """Every mesh axis a PartitionSpec names."""
+    return {a for entry in spec for a in _axes(entry)}
 
 
 def _entry(axes: tuple[str, ...]):
@@ -157,8 +162,7 @@ def _explicit_sharding(x) -> NamedSharding | None:
     if mesh is None or not getattr(mesh, "axis_types", None):
         return None
     explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
-    used = {a for entry in sharding.spec for a in _axes(entry)}
-    return sharding if used & explicit else None
+    return sharding if _spec_axes(sharding.spec) & explicit else None
 
 
 def _local_shape(shape, spec: P, mesh) -> tuple[int, ...]:
@@ -180,11 +184,11 @@ def _over_explicit_axes(kernel: Callable, layouts_in, layouts_out, kv_heads: int
         local = dict(zip(passed, local_passed))
         local.update({i: jnp.zeros(shape, dtype) for i, (shape, dtype) in local_empty.items()})
         results = per_device(*(local[i] for i in range(len(operands))))
-        return tuple(_vary_over(r, {a for e in spec for a in _axes(e)}) for r, spec in zip(results, out_specs))
+        return tuple(_vary_over(r, _spec_axes(spec)) for r, spec in zip(results, out_specs))
 
     resharded = [jax.sharding.reshard(operands[i], NamedSharding(mesh, in_specs[i])) for i in passed]
     in_passed = tuple(in_specs[i] for i in passed)
-    return _shard_map(body, mesh=mesh, in_specs=in_passed, out_specs=out_specs)(*resharded)
+    return shard_map(body, mesh=mesh, in_specs=in_passed, out_specs=out_specs)(*resharded)
 
 
 def over_batch_and_heads(kernel: Callable, layouts_in: Sequence[str], layouts_out: Sequence[str],

@@ -16,11 +16,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
+from jax_flash._partition import shard_map
 from jax_flash.bench import fwd_and_fwd_bwd_seconds
-
-shard_map = getattr(jax, "shard_map", None)
-if shard_map is None:  # older jax
-    from jax.experimental.shard_map import shard_map
 
 
 def run(per_device: int = 32768, heads: int = 16, head_dim: int = 128) -> list[dict]:

@@ -10,13 +10,11 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
+from jax_flash._partition import shard_map
 from tests import fake_kernels, reference
 from tests.cases import qkv, rng_for
 
 RING = 4
-shard_map = getattr(jax, "shard_map", None)
-if shard_map is None:  # older jax
-    from jax.experimental.shard_map import shard_map
 
 
 def _mesh():

@@ -13,12 +13,10 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flash
 from jax_flash import _partition
+from jax_flash._partition import shard_map
 from tests import fake_kernels, reference
 from tests.cases import qkv, rng_for
 
-shard_map = getattr(jax, "shard_map", None)
-if shard_map is None:  # older jax
-    from jax.experimental.shard_map import shard_map
 
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
 
