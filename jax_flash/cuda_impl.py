@@ -17,7 +17,7 @@ from jax_flash._masks import KernelMasks, kernel_masks
 from jax_flash._validation import AttentionConfig, Call
 
 FWD_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-BWD_HEAD_DIMS = (32, 64, 96, 128)  # above: the backward is the xla path's, from our lse
+BWD_HEAD_DIMS = (32, 64, 96, 128, 256)  # 192: the backward is the xla path's, from our lse
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16)
 
 

@@ -1,6 +1,7 @@
 // FlashAttention-2 backward on mma.sync (sm_80 and newer): bwd_preprocess (common/), then
-// bwd_dkdv_kernel: one CTA per (key block, batch, kv head) keeps its 128 keys' dK and dV in
-//    registers while it walks every query block (64 rows, 128 where H <= 64) of every query
+// bwd_dkdv_kernel: one CTA per (key block, batch, kv head) keeps its 128 keys' dK and dV (64
+//    keys' at H = 256) in registers while it walks every query block (64 rows, 128 where
+//    H <= 64) of every query
 //    head of the GQA group, so dK/dV of a group are summed without atomics and written once.
 //    Per step: S and dP, then P and dS go to shared memory, where dV += P^T dO, dK += dS^T Q
 //    and dQ = dS K each read them with their own warp grid (traits.cuh). dQ needs the
@@ -32,7 +33,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   using PTile = typename Cfg::PTile;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
   constexpr int kKSteps = kHeadDim / 16;          // k16 steps of S and dP
-  constexpr int kDkvTiles = kHeadDim / 2 / 8;     // n8 tiles of a warp's dK and dV rows
+  constexpr int kDkvTiles = kHeadDim / Cfg::kDkvWarpsD / 8;  // n8 tiles of a warp's dK and dV rows
   constexpr int kSdpMTiles = Cfg::kSdpRowsPerWarp / 16;  // m16 tiles of a warp's S and dP
   constexpr int kDqMTiles = Cfg::kDqRowsPerWarp / 16;
   constexpr int kDqNTiles = Cfg::kDqColsPerWarp / 8;
@@ -98,7 +99,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
 
   // This warp's tiles in the three warp grids (traits.cuh).
   const int sdp_m = warp / Cfg::kSdpWarpsN * Cfg::kSdpRowsPerWarp, sdp_n = warp % Cfg::kSdpWarpsN * 32;
-  const int dkv_n = warp / Cfg::kDkvWarpsD * 32, dkv_d = warp % Cfg::kDkvWarpsD * (kHeadDim / 2);
+  const int dkv_n = warp / Cfg::kDkvWarpsD * 32, dkv_d = warp % Cfg::kDkvWarpsD * (kHeadDim / Cfg::kDkvWarpsD);
   const int dq_m = warp / Cfg::kDqWarpsD * Cfg::kDqRowsPerWarp;
   const int dq_d = warp % Cfg::kDqWarpsD * Cfg::kDqColsPerWarp;
 
@@ -221,7 +222,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
       }
     __syncthreads();  // P and dS of every warp are in shared memory
 
-    // dV += P^T dO and dK += dS^T Q: 32 keys x H/2 per warp.
+    // dV += P^T dO and dK += dS^T Q: 32 keys x H/kDkvWarpsD per warp.
 #pragma unroll
     for (int ks = 0; ks < kBlockM / 16; ++ks) {
       uint32_t a_p[2][4], a_ds[2][4];
@@ -316,7 +317,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
         ptx::st_shared_b32(sK + off, ptx::pack2<T>(acc_dk[mt][d][2 * r], acc_dk[mt][d][2 * r + 1]));
         ptx::st_shared_b32(sV + off, ptx::pack2<T>(acc_dv[mt][d][2 * r], acc_dv[mt][d][2 * r + 1]));
       }
-  __syncthreads();  // a row's two halves come from two warps
+  __syncthreads();  // a row's parts come from kDkvWarpsD warps
   T* gdk = static_cast<T*>(p.dk) + kv_offset;
   T* gdv = static_cast<T*>(p.dv) + kv_offset;
   constexpr int kChunks = KTile::kChunks;
