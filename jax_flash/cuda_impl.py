@@ -12,12 +12,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _ffi, xla_impl
+from jax_flash import _ffi
 from jax_flash._masks import KernelMasks, kernel_masks
 from jax_flash._validation import AttentionConfig, Call
 
 FWD_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-BWD_HEAD_DIMS = (32, 64, 96, 128, 256)  # 192: the backward is the xla path's, from our lse
+BWD_HEAD_DIMS = (32, 64, 96, 128, 256)  # 192 runs the 256 kernels, zero-padded
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16)
 
 
@@ -92,12 +92,13 @@ def _flash_fwd(config: AttentionConfig, q, k, v, *masks):
 def _flash_bwd(config: AttentionConfig, residuals, cotangents):
     q, k, v, out, lse, masks, kernel = residuals
     d_out, d_lse = cotangents
-    if q.shape[-1] not in BWD_HEAD_DIMS:
-        call = Call(q, k, v, None, None, *masks, config, True)
-        grads = xla_impl.backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse)[:3]
-    else:
-        grads = _ffi.backward(config, q, k, v, out, lse, d_out, d_lse.transpose(0, 2, 1), kernel)
-    return tuple(grads) + (None,) * 4
+    # A head dim without backward kernels (192) takes the next one up, zero-padded: zero columns
+    # change no logit and get zero gradients.
+    head_dim = q.shape[-1]
+    padded = next(d for d in BWD_HEAD_DIMS if d >= head_dim)
+    q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (q, k, v, out, d_out))
+    grads = _ffi.backward(config, q, k, v, out, lse, d_out, d_lse.transpose(0, 2, 1), kernel)
+    return tuple(g[..., :head_dim] for g in grads) + (None,) * 4
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -58,6 +58,16 @@ def test_forward_and_gradients_equal_the_xla_path(kernel_calls, case):
     assert all(shapes[0][-1] == 64 for _, shapes in kernel_calls)  # padded head dim
 
 
+def test_head_dim_without_backward_kernels_pads_up(kernel_calls):
+    """Head dim 160: the forward runs the 192 kernels, the backward the 256 ones (no 192 backward)."""
+    q, k, v = qkv(rng_for("cuda-path-160"), jnp.bfloat16, 2, 24, 24, 2, 1, 160)
+    grads = jax.grad(_loss("cuda", {"is_causal": True}), argnums=(0, 1, 2))(q, k, v)
+    for mine, ref in zip(grads, jax.grad(_loss("xla", {"is_causal": True}), argnums=(0, 1, 2))(q, k, v)):
+        assert mine.shape == ref.shape and reference.rel_error(mine, ref) < 2e-2
+    head_dims = {target: shapes[0][-1] for target, shapes in kernel_calls}
+    assert head_dims == {"jax_flash_fwd": 192, "jax_flash_bwd": 256}
+
+
 def test_vmap_is_one_kernel_call(kernel_calls):
     """vmap over every input folds into the batch; over the queries alone, into the heads."""
     q, k, v = qkv(rng_for("cuda-path-vmap"), jnp.bfloat16, 6, 24, 24, 2, 1, 32)
