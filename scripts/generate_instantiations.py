@@ -15,7 +15,7 @@ VARIANTS = {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}  # file 
 KERNELS = {  # (kernel, arch) -> (launcher header, launcher, params, head dims)
     ("fwd", "sm80"): ("launch/run_sm80.cuh", "run_fwd_sm80", "FwdParams", (32, 64, 96, 128, 192, 256)),
     ("bwd", "sm80"): ("launch/run_sm80.cuh", "run_bwd_sm80", "BwdParams", (32, 64, 96, 128, 256)),
-    ("fwd", "sm90"): ("launch/run_sm90.cuh", "run_fwd_sm90", "FwdParams", (64, 128, 256)),
+    ("fwd", "sm90"): ("launch/run_sm90.cuh", "run_fwd_sm90", "FwdParams", (64, 128, 192, 256)),
     ("bwd", "sm90"): ("launch/run_sm90.cuh", "run_bwd_sm90", "BwdParams", (64, 128)),
 }
 TEMPLATE = """\

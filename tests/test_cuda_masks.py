@@ -41,7 +41,7 @@ def _packed(rng, b, length, documents, gaps=False):
     return jnp.asarray(np.stack(ids), jnp.int32)
 
 
-@pytest.mark.parametrize("h", [64, 128, 256])
+@pytest.mark.parametrize("h", [64, 128, 192, 256])
 @pytest.mark.parametrize("kw", ["q", "kv", "both_causal", "both_window"])
 def test_sequence_lengths(h, kw):
     rng = rng_for("lengths", h, kw)

@@ -22,7 +22,7 @@ SATURATING = dict(softcap=5.0, scale=0.5)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("h", [64, 128, 256, 96])
+@pytest.mark.parametrize("h", [64, 128, 256, 96, 192])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_softcap_head_dims(dtype, h, is_causal):
     check(dtype, 2, 300, 517, 4, 2, h, is_causal=is_causal, **SATURATING)

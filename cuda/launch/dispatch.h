@@ -15,7 +15,7 @@ inline bool fwd_supports_head_dim(int d) {
 }
 inline bool bwd_supports_head_dim(int d) { return d == 32 || d == 64 || d == 96 || d == 128 || d == 256; }
 // Head dims of the Hopper kernels; the others run the sm80 kernels on Hopper too.
-constexpr bool fwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 256; }
+constexpr bool fwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 192 || d == 256; }
 constexpr bool bwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128; }
 
 // Which kernel family a call may use: the fastest one for the device, or only the mma.sync

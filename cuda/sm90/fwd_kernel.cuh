@@ -52,8 +52,8 @@ struct FwdConfig {
   static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
   // + 1024: the dynamic shared memory is aligned up to the 1024 bytes the swizzle repeats over.
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
-  // O is computed in chunks of at most 128 columns (one wgmma n128 each).
-  static constexpr int kOChunkCols = kHeadDim < 128 ? kHeadDim : 128;
+  // O is computed in chunks of at most 128 columns (one wgmma n128 each; n64 at H = 192).
+  static constexpr int kOChunkCols = kHeadDim < 128 ? kHeadDim : kHeadDim % 128 == 0 ? 128 : 64;
   static constexpr int kOChunks = kHeadDim / kOChunkCols;
   static constexpr int kProducerRegs = kConsumers == 3 ? 24 : 40;
   static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 232;
