@@ -73,7 +73,7 @@ cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream
     if constexpr (bwd_sm90_supports_head_dim(kHeadDim)) {
       if (sm90) return run_bwd_sm90<T, kHeadDim, kVariant>(p, stream);
     }
-    if constexpr (kHeadDim <= 128 || kHeadDim == 256) {
+    if constexpr (bwd_supports_head_dim(kHeadDim)) {
       return run_bwd_sm80<T, kHeadDim, kVariant>(p, stream);
     } else {
       return cudaErrorInvalidValue;

@@ -10,10 +10,10 @@ namespace jax_flash {
 enum class DType { kFloat16, kBFloat16 };
 
 // Head dims with kernels; other sizes are padded up to the next one by the Python layer.
-inline bool fwd_supports_head_dim(int d) {
+constexpr bool fwd_supports_head_dim(int d) {
   return d == 32 || d == 64 || d == 96 || d == 128 || d == 192 || d == 256;
 }
-inline bool bwd_supports_head_dim(int d) { return d == 32 || d == 64 || d == 96 || d == 128 || d == 256; }
+constexpr bool bwd_supports_head_dim(int d) { return d == 32 || d == 64 || d == 96 || d == 128 || d == 256; }
 // Head dims of the Hopper kernels; the others run the sm80 kernels on Hopper too.
 constexpr bool fwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 192 || d == 256; }
 constexpr bool bwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128; }
