@@ -21,9 +21,10 @@ BWD_HEAD_DIMS = (32, 64, 96, 128, 256)  # 192 runs the 256 kernels, zero-padded
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16)
 
 
-def kernel_head_dim(head_dim: int) -> int | None:
-    """The smallest head dim with kernels that fits `head_dim` (zero padding), or None."""
-    return next((d for d in FWD_HEAD_DIMS if d >= head_dim), None)
+def kernel_head_dim(head_dim: int, kernel_dims: tuple[int, ...] = FWD_HEAD_DIMS) -> int | None:
+    """The smallest head dim with kernels (forward ones by default) that fits `head_dim` (zero
+    padding), or None."""
+    return next((d for d in kernel_dims if d >= head_dim), None)
 
 
 def unsupported_reason(call: Call) -> str | None:
@@ -95,7 +96,7 @@ def _flash_bwd(config: AttentionConfig, residuals, cotangents):
     # A head dim without backward kernels (192) takes the next one up, zero-padded: zero columns
     # change no logit and get zero gradients.
     head_dim = q.shape[-1]
-    padded = next(d for d in BWD_HEAD_DIMS if d >= head_dim)
+    padded = kernel_head_dim(head_dim, BWD_HEAD_DIMS)
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (q, k, v, out, d_out))
     grads = _ffi.backward(config, q, k, v, out, lse, d_out, d_lse.transpose(0, 2, 1), kernel)
     return tuple(g[..., :head_dim] for g in grads) + (None,) * 4

@@ -358,6 +358,6 @@ def attention(
 
 def backward(call: Call, out, lse, d_out, d_lse, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
     """The blockwise backward alone, from a forward's output and lse [B, T, N] (float32 for
-    float16/bfloat16 inputs): (dq, dk, dv, dbias). The CUDA path uses it where it has no
-    backward kernel."""
+    float16/bfloat16 inputs): (dq, dk, dv, dbias). Ring attention's xla path runs it with the
+    output and lse of the whole sequence."""
     return _gradients(_static(call, block_q, block_k), call, out, lse, d_out, d_lse)

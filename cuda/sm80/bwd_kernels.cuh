@@ -1,8 +1,8 @@
 // FlashAttention-2 backward on mma.sync (sm_80 and newer): bwd_preprocess (common/), then
 // bwd_dkdv_kernel: one CTA per (key block, batch, kv head) keeps its 128 keys' dK and dV (64
 //    keys' at H = 256) in registers while it walks every query block (64 rows, 128 where
-//    H <= 64) of every query
-//    head of the GQA group, so dK/dV of a group are summed without atomics and written once.
+//    H <= 64) of every query head of the GQA group, so dK/dV of a group are summed without
+//    atomics and written once.
 //    Per step: S and dP, then P and dS go to shared memory, where dV += P^T dO, dK += dS^T Q
 //    and dQ = dS K each read them with their own warp grid (traits.cuh). dQ needs the
 //    contributions of every key block, so each CTA adds its share into the fp32 accumulator
