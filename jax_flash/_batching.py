@@ -1,10 +1,15 @@
 """vmap of the kernel calls without a per-element loop: the mapped axis is folded into the batch.
 
-Every kernel input and output of `_ffi` carries the batch on axis 0 ([B, T, N, H] tensors and
-[B, N, T] row statistics), so under `vmap` a [V, B, ...] operand becomes [V * B, ...] and the
-kernel runs once. Operands that are not mapped are broadcast first. The forward with only the
-queries mapped folds the mapped axis into the query heads instead (GQA: every folded head keeps
+Every kernel input and output of `_ffi` carries the batch on axis 0 ([B, T, N, H] tensors, [B, N, T]
+row statistics, [B, N, T, S] biases), so under `vmap` a [V, B, ...] operand becomes [V * B, ...]
+and the kernel runs once. Operands that are not mapped are broadcast first. The forward with only
+the queries mapped folds the mapped axis into the query heads instead (GQA: every folded head keeps
 its key/value head), so keys and values are not copied V times.
+
+A bias or mask may have a batch axis of 1 that broadcasts over the batch (`broadcast` operands).
+Not mapped, it still broadcasts over V * B rows and stays as it is; mapped, or when a result sums
+over it (`summed`: the bias's gradient), it is broadcast to B rows first, and that result is
+summed back over them.
 """
 
 from __future__ import annotations
@@ -20,34 +25,52 @@ def _fold(x, batched: bool, size: int):
     return x.reshape((size * x.shape[1],) + x.shape[2:])
 
 
-def _call_folded(fn: Callable, axis_size: int, in_batched, args):
-    outs = fn(*(_fold(x, b, axis_size) for x, b in zip(args, in_batched)))
-    return tuple(o.reshape((axis_size, -1) + o.shape[1:]) for o in outs), (True,) * len(outs)
+def _call_folded(fn: Callable, axis_size: int, in_batched, args, broadcast=(), summed=None):
+    summed = summed or {}
+    batch = args[0].shape[1] if in_batched[0] else args[0].shape[0]
+    folded, expanded = [], set()
+    for i, (x, mapped) in enumerate(zip(args, in_batched)):
+        rows = x.shape[1] if mapped else x.shape[0]
+        if i in broadcast and rows == 1 and batch > 1:
+            if not mapped and i not in summed.values():
+                folded.append(x)
+                continue
+            x = jnp.broadcast_to(x if mapped else x[None], (axis_size, batch) + x.shape[2 if mapped else 1 :])
+            mapped = True
+            expanded.add(i)
+        folded.append(_fold(x, mapped, axis_size))
+    outs = []
+    for j, o in enumerate(fn(*folded)):
+        o = o.reshape((axis_size, -1) + o.shape[1:])
+        outs.append(o.sum(1, keepdims=True) if summed.get(j) in expanded else o)
+    return tuple(outs), (True,) * len(outs)
 
 
-def fold_into_batch(fn: Callable) -> Callable:
-    """fn(*arrays) -> tuple of arrays, each with its batch on axis 0, batched as one call."""
+def fold_into_batch(fn: Callable, broadcast=(), summed=None) -> Callable:
+    """fn(*arrays) -> tuple of arrays, each with its batch on axis 0, batched as one call.
+    `broadcast`: indices of operands whose batch axis may be 1; `summed`: {result index: operand
+    index} of results that sum over such an operand's batch axis."""
     wrapped = custom_vmap(fn)
 
     @wrapped.def_vmap
     def rule(axis_size, in_batched, *args):
         # Through `wrapped` again, so that an enclosing vmap folds its own axis the same way.
-        return _call_folded(wrapped, axis_size, in_batched, args)
+        return _call_folded(wrapped, axis_size, in_batched, args, broadcast, summed)
 
     return wrapped
 
 
-def fold_queries_into_heads(forward: Callable) -> Callable:
-    """forward(q, k, v, *masks) -> (out [B, T, N, H], lse [B, N, T]), batched as one call, where
-    the masks are per batch row (the same for every head). With only q mapped, q [V, B, T, N, H]
-    runs as [B, T, N * V, H] (head n * V + v, in kv head n // group); otherwise as
-    `fold_into_batch`."""
+def fold_queries_into_heads(forward: Callable, broadcast=()) -> Callable:
+    """forward(q, k, v, *masks) -> (out [B, T, N, H], lse [B, N, T]), batched as one call. With
+    only q mapped and no `broadcast` operand (bias, mask) given, q [V, B, T, N, H] runs as
+    [B, T, N * V, H] (head n * V + v, in kv head n // group); otherwise as `fold_into_batch`."""
     wrapped = custom_vmap(forward)
 
     @wrapped.def_vmap
     def rule(axis_size, in_batched, q, k, v, *masks):
-        if not in_batched[0] or any(in_batched[1:]):
-            return _call_folded(wrapped, axis_size, in_batched, (q, k, v) + masks)
+        args = (q, k, v) + masks
+        if not in_batched[0] or any(in_batched[1:]) or any(args[i].size for i in broadcast):
+            return _call_folded(wrapped, axis_size, in_batched, args, broadcast)
         size, b, t, n, h = q.shape
         out, lse = wrapped(jnp.moveaxis(q, 0, 3).reshape(b, t, n * size, h), k, v, *masks)
         out = jnp.moveaxis(out.reshape(b, t, n, size, -1), 3, 0)

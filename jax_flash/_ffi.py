@@ -99,32 +99,63 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
 _MASK_LAYOUTS = ("b-", "b-", "b-", "b--", "b--")
 
 
-def forward(config, q, k, v, masks: KernelMasks):
-    """(out [B, T, N, H], lse [B, N, T] float32) from the forward kernel; under vmap, one call
-    with the mapped axis folded into the batch or the heads (_batching.py)."""
+def bias_operand(bias, batch: int, dtype):
+    """The kernels' bias operand: float32 or the inputs' dtype, [B, 0, 0, 0] when absent."""
+    if bias is None:
+        return jnp.zeros((batch, 0, 0, 0), dtype)
+    return bias if bias.dtype in (dtype, jnp.float32) else bias.astype(jnp.float32)
+
+
+def mask_operand(mask, batch: int):
+    return jnp.zeros((batch, 0, 0, 0), jnp.bool_) if mask is None else mask
+
+
+def _bias_layout(x, batch: int, heads: int) -> str:
+    """A bias, mask or dbias [B or 1, N or 1, T, S]: split along its batch and heads where full."""
+    return ("b" if x.shape[0] == batch else "-") + ("n" if x.shape[1] == heads and x.size else "-") + "--"
+
+
+def _dbias_shape(bias, q, k) -> tuple[int, ...]:
+    """The kernels add d logit into dbias with atomics, so elements that a broadcast axis shares
+    are summed in any order. For bit-reproducible gradients (deterministic mode) they write every
+    [B, N, T, S] element once instead, and XLA sums the broadcast axes."""
+    if not deterministic():
+        return bias.shape
+    return (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+
+
+def forward(config, q, k, v, masks: KernelMasks, bias, mask):
+    """(out [B, T, N, H], lse [B, N, T] float32) from the forward kernel, given the operands of
+    `bias_operand` and `mask_operand`; under vmap, one call with the mapped axis folded into the
+    batch or the heads (_batching.py)."""
     register_targets()
     attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()))
 
-    def run(q, k, v, *masks):
-        def kernel(q, k, v, *masks):
+    def run(q, k, v, bias, mask, *masks):
+        def kernel(q, k, v, bias, mask, *masks):
             b, t, n, _ = q.shape
             result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
-            return call_kernel("jax_flash_fwd", result_types, (q, k, v, *masks), attrs)
+            return call_kernel("jax_flash_fwd", result_types, (q, k, v, *masks, bias, mask), attrs)
 
-        layouts = ("b-n-", "b-k-", "b-k-") + _MASK_LAYOUTS, ("b-n-", "bn-")
-        return _partition.over_batch_and_heads(kernel, *layouts, q.shape[2], k.shape[2])(q, k, v, *masks)
+        b, _, n, _ = q.shape
+        layouts_in = ("b-n-", "b-k-", "b-k-", _bias_layout(bias, b, n), _bias_layout(mask, b, n)) + _MASK_LAYOUTS
+        run_split = _partition.over_batch_and_heads(kernel, layouts_in, ("b-n-", "bn-"), n, k.shape[2])
+        return run_split(q, k, v, bias, mask, *masks)
 
-    return _partition.vary_like(_batching.fold_queries_into_heads(run)(q, k, v, *masks), q, k, v)
+    folded = _batching.fold_queries_into_heads(run, broadcast=(3, 4))
+    return _partition.vary_like(folded(q, k, v, bias, mask, *masks), q, k, v)
 
 
-def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks):
-    """(dq, dk, dv) from the backward kernels; lse and d_lse are [B, N, T] float32. Under vmap,
-    one call with the mapped axis folded into the batch."""
+def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, mask, want_dbias: bool):
+    """(dq, dk, dv, dbias) from the backward kernels; lse and d_lse are [B, N, T] float32; bias
+    and mask as `forward` takes them. dbias (with `want_dbias`) is float32 in the bias's shape,
+    summed over its broadcast axes; else an empty array. Under vmap, one call with the mapped
+    axis folded into the batch."""
     register_targets()
     attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()), deterministic=np.int32(deterministic()))
 
-    def run(q, k, v, out, lse, d_out, d_lse, *masks):
-        def kernel(q, k, v, out, lse, d_out, d_lse, *masks):
+    def run(q, k, v, out, lse, d_out, d_lse, bias, mask, *masks):
+        def kernel(q, k, v, out, lse, d_out, d_lse, bias, mask, *masks):
             b, t, n, _ = q.shape
             # Per-row statistics scratch, rows padded to whole query blocks (cuda/common/params.h).
             padded_t = -(-t // _STATS_ROW_MULTIPLE) * _STATS_ROW_MULTIPLE
@@ -136,14 +167,21 @@ def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks):
                 stats,  # delta = rowsum(dO * O) - dlse
                 stats,  # lse in base 2
                 jax.ShapeDtypeStruct((b, n, padded_t // 64), jnp.int32),  # dQ turn counters (deterministic mode)
+                jax.ShapeDtypeStruct(_dbias_shape(bias, q, k) if want_dbias else (b, 0, 0, 0), jnp.float32),
             )
-            return call_kernel("jax_flash_bwd", result_types, (q, k, v, out, lse, d_out, d_lse, *masks), attrs)
+            operands = (q, k, v, out, lse, d_out, d_lse, *masks, bias, mask)
+            *results, dbias = call_kernel("jax_flash_bwd", result_types, operands, attrs)
+            broadcast_axes = tuple(i for i in range(4) if dbias.shape[i] != bias.shape[i])
+            return (*results, dbias.sum(broadcast_axes, keepdims=True) if broadcast_axes else dbias)
 
-        layouts = ("b-n-", "b-k-", "b-k-", "b-n-", "bn-", "b-n-", "bn-") + _MASK_LAYOUTS, \
-            ("b-n-", "b-k-", "b-k-", "bn-", "bn-", "bn-")  # fmt: skip
-        grads = _partition.over_batch_and_heads(kernel, *layouts, q.shape[2], k.shape[2])
-        return grads(q, k, v, out, lse, d_out, d_lse, *masks)
+        b, _, n, _ = q.shape
+        bias_layout = _bias_layout(bias, b, n)
+        layouts_in = ("b-n-", "b-k-", "b-k-", "b-n-", "bn-", "b-n-", "bn-", bias_layout, _bias_layout(mask, b, n))
+        layouts_out = ("b-n-", "b-k-", "b-k-", "bn-", "bn-", "bn-", bias_layout if want_dbias else "b---")
+        grads = _partition.over_batch_and_heads(kernel, layouts_in + _MASK_LAYOUTS, layouts_out, n, k.shape[2])
+        return grads(q, k, v, out, lse, d_out, d_lse, bias, mask, *masks)
 
-    dq_accum, dk, dv, *_ = _batching.fold_into_batch(run)(q, k, v, out, lse.astype(jnp.float32), d_out,
-                                                          d_lse.astype(jnp.float32), *masks)  # fmt: skip
-    return _partition.vary_like((dq_accum.astype(q.dtype), dk, dv), q, k, v, out, d_out)
+    fold = _batching.fold_into_batch(run, broadcast=(7, 8), summed={6: 7} if want_dbias else None)
+    dq_accum, dk, dv, *_, dbias = fold(q, k, v, out, lse.astype(jnp.float32), d_out, d_lse.astype(jnp.float32),
+                                       bias, mask, *masks)  # fmt: skip
+    return _partition.vary_like((dq_accum.astype(q.dtype), dk, dv, dbias), q, k, v, out, d_out)

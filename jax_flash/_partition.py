@@ -10,9 +10,13 @@ Every other axis (sequence, head dim) is kept whole: inputs sharded there are ga
 
 Each operand and result is described by a layout string, one letter per axis: "b" batch, "n"
 query heads, "k" key/value heads, "-" any other axis (never split). The first operand must be the
-queries ("b-n-"): their sharding decides the split. A result with a "k" axis is taken to be a sum
-over the query heads of each kv head's group (dK, dV): where the query heads are split and the kv
-heads are not (MQA), each device has part of that sum and the parts are added (an all-reduce).
+queries ("b-n-"): their sharding decides the split. Results are sums over what their layouts
+lack:
+  - one with a "k" axis sums over the query heads of each kv head's group (dK, dV): where the
+    query heads are split and the kv heads are not (MQA), each device has part of that sum;
+  - one without "b" (or without "n" and "k") sums over the batch (the heads): the gradient of a
+    bias broadcast over them.
+Each device's parts are then added (an all-reduce).
 """
 
 from __future__ import annotations
@@ -92,16 +96,23 @@ def _spec(layout: str, axes: dict[str, tuple[str, ...]]) -> P:
     return P(*(_entry(axes.get(letter, ())) for letter in layout))
 
 
+def _summed_axes(layout: str, axes) -> tuple[str, ...]:
+    """The mesh axes over which a result's per-device parts are added (see the module docstring)."""
+    summed = () if "b" in layout else axes["b"]
+    if "k" in layout:
+        return summed + tuple(a for a in axes["n"] if a not in axes["k"])
+    return summed + (() if "n" in layout else axes["n"])
+
+
 def _per_device(kernel: Callable, layouts_out: Sequence[str], axes) -> Callable:
-    """The kernel on one device's operands; results summed over query heads ("k" layouts) are
-    added up over the head axes that the kv heads do not follow."""
-    split_groups = tuple(a for a in axes["n"] if a not in axes["k"])
-    if not split_groups:
+    """The kernel on one device's operands, its partial results added up over the devices."""
+    summed = [_summed_axes(layout, axes) for layout in layouts_out]
+    if not any(summed):
         return kernel
 
     def run(*operands):
         results = kernel(*operands)
-        return tuple(jax.lax.psum(r, split_groups) if "k" in layout else r for r, layout in zip(results, layouts_out))
+        return tuple(jax.lax.psum(r, s) if s and r.size else r for r, s in zip(results, summed))
 
     return run
 

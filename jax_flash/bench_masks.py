@@ -4,7 +4,8 @@ One long row (16384 tokens, d = 128, 16 heads, bf16 on a GPU; 1024 tokens on a C
 mask, timed forward and forward + backward, as a fraction of the causal time. Work should follow
 the unmasked area: a 512-token window is 1/16 of the causal area at 16k, eight packed causal
 documents 1/8, half-length padded keys about 1/4. The soft cap adds a tanh per logit to the
-causal case: its fraction is its cost.
+causal case, a [T, S] bias or boolean mask (shared by the heads) a load per logit: their
+fractions are their costs.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import jax_flash
 from jax_flash.bench import fwd_and_fwd_bwd_seconds
 
 
-def cases(seqlen: int) -> dict[str, dict]:
+def cases(seqlen: int, dtype) -> dict[str, dict]:
     documents = jnp.repeat(jnp.arange(8, dtype=jnp.int32), seqlen // 8)[None]
+    bias = jax.random.normal(jax.random.key(1), (1, 1, seqlen, seqlen), dtype)
     return {
         "causal": dict(is_causal=True),
         "window 512 (causal)": dict(is_causal=True, local_window_size=(511, 0)),
@@ -25,6 +27,8 @@ def cases(seqlen: int) -> dict[str, dict]:
         "keys padded to half (causal)": dict(is_causal=True,
                                              key_value_seq_lengths=jnp.asarray([seqlen // 2], jnp.int32)),
         "softcap 30 (causal)": dict(is_causal=True, softcap=30.0),
+        "bias [1, 1, T, S] (causal)": dict(is_causal=True, bias=bias),
+        "boolean mask [1, 1, T, S] (causal)": dict(is_causal=True, mask=bias > -2.0),
     }
 
 
@@ -34,7 +38,7 @@ def run() -> list[dict]:
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(key, (1, seqlen, heads, 128), dtype) for key in keys)
     rows = []
-    for name, kw in cases(seqlen).items():
+    for name, kw in cases(seqlen, dtype).items():
         fwd, fwd_bwd = fwd_and_fwd_bwd_seconds(lambda q, k, v, kw=kw: jax_flash.attention(q, k, v, **kw),
                                                (q, k, v, do))
         rows.append({"case": name, "seqlen": seqlen, "fwd": fwd, "fwd_bwd": fwd_bwd})

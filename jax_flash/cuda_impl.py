@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from jax_flash import _ffi
 from jax_flash._masks import KernelMasks, kernel_masks
@@ -39,9 +40,6 @@ def unsupported_reason(call: Call) -> str | None:
         return f"head dim {call.query.shape[-1]} is above the largest supported ({FWD_HEAD_DIMS[-1]})"
     if call.config.scale <= 0:
         return "the kernels need scale > 0"
-    unsupported = [name for name, value in (("bias", call.bias), ("mask", call.mask)) if value is not None]
-    if unsupported:
-        return f"not in the CUDA kernels yet: {', '.join(unsupported)}"
     return None
 
 
@@ -54,6 +52,12 @@ def _mask_arrays(call: Call) -> tuple:
     return call.query_seq_lengths, call.key_value_seq_lengths, call.q_segment_ids, call.kv_segment_ids
 
 
+def _bias_arrays(call: Call) -> tuple:
+    """The bias and mask operands of the kernels."""
+    batch = call.query.shape[0]
+    return _ffi.bias_operand(call.bias, batch, call.query.dtype), _ffi.mask_operand(call.mask, batch)
+
+
 def _kernel_masks(q, k, q_len, kv_len, q_seg, kv_seg) -> KernelMasks:
     return kernel_masks(q.shape[0], q.shape[1], k.shape[1], q_len, kv_len, q_seg, kv_seg)
 
@@ -63,7 +67,8 @@ def attention(call: Call) -> tuple[jax.Array, jax.Array]:
     head_dim = call.query.shape[-1]
     padded = kernel_head_dim(head_dim)
     q, k, v = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value))
-    out, lse = _flash(call.config, q, k, v, *_mask_arrays(call))
+    bias, mask = _bias_arrays(call)
+    out, lse = _flash(call.config, q, k, v, bias, mask, *_mask_arrays(call))
     return out[..., :head_dim], lse
 
 
@@ -74,32 +79,42 @@ def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, 
     padded = kernel_head_dim(head_dim)
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))
     masks = _mask_arrays(call)
-    residuals = (q, k, v, out, lse.transpose(0, 2, 1), masks, _kernel_masks(q, k, *masks))
+    residuals = (q, k, v, *_bias_arrays(call), None, out, lse.transpose(0, 2, 1), masks, _kernel_masks(q, k, *masks))
     grads = _flash_bwd(call.config, residuals, (d_out, d_lse))[:3]
     return tuple(g[..., :head_dim] for g in grads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(config: AttentionConfig, q, k, v, q_len, kv_len, q_seg, kv_seg):
-    return _flash_fwd(config, q, k, v, q_len, kv_len, q_seg, kv_seg)[0]
+def _flash(config: AttentionConfig, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
+    kernel = _kernel_masks(q, k, q_len, kv_len, q_seg, kv_seg)
+    out, lse = _ffi.forward(config, q, k, v, kernel, bias, mask)
+    return out, lse.transpose(0, 2, 1)
 
 
-def _flash_fwd(config: AttentionConfig, q, k, v, *masks):
+def _flash_fwd(config: AttentionConfig, q, k, v, bias, mask, *masks):
+    # symbolic_zeros: the arguments come as CustomVJPPrimal, which says whether the bias is
+    # differentiated; the backward computes its gradient only then (a residual of None: not).
+    differentiated_bias = bias.value if bias.perturbed else None
+    q, k, v, bias, mask, *masks = (x.value if isinstance(x, CustomVJPPrimal) else x for x in (q, k, v, bias, mask, *masks))
     kernel = _kernel_masks(q, k, *masks)
-    out, lse = _ffi.forward(config, q, k, v, kernel)  # lse: [B, N, T]
-    return (out, lse.transpose(0, 2, 1)), (q, k, v, out, lse, masks, kernel)
+    out, lse = _ffi.forward(config, q, k, v, kernel, bias, mask)  # lse: [B, N, T]
+    return (out, lse.transpose(0, 2, 1)), (q, k, v, bias, mask, differentiated_bias, out, lse, masks, kernel)
 
 
 def _flash_bwd(config: AttentionConfig, residuals, cotangents):
-    q, k, v, out, lse, masks, kernel = residuals
-    d_out, d_lse = cotangents
+    q, k, v, bias, mask, differentiated_bias, out, lse, masks, kernel = residuals
+    want_dbias = differentiated_bias is not None
+    # Outputs that the loss does not use come as symbolic zeros.
+    d_out, d_lse = (jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cotangents)
     # A head dim without backward kernels (192) takes the next one up, zero-padded: zero columns
     # change no logit and get zero gradients.
     head_dim = q.shape[-1]
     padded = kernel_head_dim(head_dim, BWD_HEAD_DIMS)
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (q, k, v, out, d_out))
-    grads = _ffi.backward(config, q, k, v, out, lse, d_out, d_lse.transpose(0, 2, 1), kernel)
-    return tuple(g[..., :head_dim] for g in grads) + (None,) * 4
+    *grads, dbias = _ffi.backward(config, q, k, v, out, lse, d_out, d_lse.transpose(0, 2, 1), kernel, bias, mask,
+                                  want_dbias)  # fmt: skip
+    dbias = dbias.astype(bias.dtype) if want_dbias else None
+    return tuple(g[..., :head_dim] for g in grads) + (dbias,) + (None,) * 5
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)

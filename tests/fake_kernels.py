@@ -12,26 +12,36 @@ from jax_flash import _ffi, xla_impl
 from jax_flash._validation import AttentionConfig, Call
 
 
-def _call(attrs: dict, q, k, v, seqlens, q_segments, kv_segments) -> Call:
+def _call(attrs: dict, q, k, v, seqlens, q_segments, kv_segments, bias, mask) -> Call:
     bound = lambda w: None if int(w) < 0 else int(w)  # noqa: E731
     config = AttentionConfig(float(attrs["scale"]), bound(attrs["window_left"]), bound(attrs["window_right"]),
                              float(attrs["softcap"]) or None)  # fmt: skip
     lengths = (seqlens[:, 0], seqlens[:, 1]) if seqlens.shape[1] else (None, None)
     segments = (q_segments, kv_segments) if q_segments.shape[1] else (None, None)
-    return Call(q, k, v, None, None, *lengths, *segments, config, True)
+    present = lambda x: x if x.size else None  # noqa: E731
+    return Call(q, k, v, present(bias), present(mask), *lengths, *segments, config, True)
+
+
+def _dbias_result(dbias, result_type):
+    """The kernels' dbias: in the bias's shape, or (deterministic mode) [B, N, T, S] for XLA to
+    sum; the stand-in puts each sum at index 0 of the broadcast axes."""
+    if dbias is None or 0 in result_type.shape:  # no bias, or its gradient not wanted
+        return jnp.zeros(result_type.shape, result_type.dtype)
+    pads = [(0, full - n) for full, n in zip(result_type.shape, dbias.shape)]
+    return jnp.pad(dbias.astype(jnp.float32), pads)
 
 
 def call_kernel(target: str, result_types, operands, attrs: dict):
     if target == "jax_flash_fwd":
-        q, k, v, seqlens, q_segments, kv_segments, _, _ = operands
-        out, lse = xla_impl.attention(_call(attrs, q, k, v, seqlens, q_segments, kv_segments))
+        q, k, v, seqlens, q_segments, kv_segments, _, _, bias, mask = operands
+        out, lse = xla_impl.attention(_call(attrs, q, k, v, seqlens, q_segments, kv_segments, bias, mask))
         return out, lse.transpose(0, 2, 1)
     assert target == "jax_flash_bwd", target
-    q, k, v, out, lse, d_out, d_lse, seqlens, q_segments, kv_segments, _, _ = operands
-    call = _call(attrs, q, k, v, seqlens, q_segments, kv_segments)
-    dq, dk, dv, _ = xla_impl.backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse.transpose(0, 2, 1))
-    scratch = [jnp.zeros(r.shape, r.dtype) for r in result_types[3:]]
-    return (dq.astype(jnp.float32), dk, dv, *scratch)
+    q, k, v, out, lse, d_out, d_lse, seqlens, q_segments, kv_segments, _, _, bias, mask = operands
+    call = _call(attrs, q, k, v, seqlens, q_segments, kv_segments, bias, mask)
+    dq, dk, dv, dbias = xla_impl.backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse.transpose(0, 2, 1))
+    scratch = [jnp.zeros(r.shape, r.dtype) for r in result_types[3:6]]
+    return (dq.astype(jnp.float32), dk, dv, *scratch, _dbias_result(dbias, result_types[6]))
 
 
 def install(monkeypatch):

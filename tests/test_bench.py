@@ -1,6 +1,8 @@
 """The benchmark runs end to end (on a CPU it compares the xla paths) and writes its plot."""
 
-from jax_flash import bench
+import jax.numpy as jnp
+
+from jax_flash import bench, bench_masks
 
 
 def test_quick_benchmark_table_and_plot(tmp_path, capsys):
@@ -15,7 +17,7 @@ def test_quick_benchmark_table_and_plot(tmp_path, capsys):
 
 def test_masks_benchmark(capsys):
     rows = bench.main(["--masks"])
-    assert [r["case"] for r in rows][0] == "causal" and len(rows) == 5
+    assert [r["case"] for r in rows][0] == "causal" and len(rows) == len(bench_masks.cases(64, jnp.float32)) == 7
     assert all(r["fwd"] > 0 and r["fwd_bwd"] > r["fwd"] for r in rows)
     out = capsys.readouterr().out
-    assert "| 8 packed documents (causal) |" in out and "| softcap 30 (causal) |" in out and "fwd / causal" in out
+    assert "| 8 packed documents (causal) |" in out and "| softcap 30 (causal) |" in out and "| bias [1, 1, T, S] (causal) |" in out and "fwd / causal" in out

@@ -12,17 +12,27 @@ from jax_flash import _ffi
 from tests import fake_kernels, reference
 from tests.cases import CASES, qkv, rng_for
 
-KERNEL_CASES = ["none", "causal", "window_causal", "lengths_causal", "segments_causal", "softcap"]
+KERNEL_CASES = ["none", "causal", "window_causal", "lengths_causal", "segments_causal", "softcap", "bias",
+                "bias_broadcast", "mask", "softcap_bias_window", "everything"]
+
+
+class _Calls(list):
+    """(target, operand shapes) of every kernel call traced; `results[target]`: the result shapes
+    of its last call."""
+
+    def __init__(self):
+        super().__init__()
+        self.results = {}
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """The operand shapes of every kernel call traced, by target."""
     fake_kernels.install(monkeypatch)
-    calls = []
+    calls = _Calls()
 
     def recording(target, result_types, operands, attrs):
         calls.append((target, [x.shape for x in operands]))
+        calls.results[target] = [r.shape for r in result_types]
         return fake_kernels.call_kernel(target, result_types, operands, attrs)
 
     monkeypatch.setattr(_ffi, "call_kernel", recording)
@@ -30,8 +40,12 @@ def kernel_calls(monkeypatch):
 
 
 def _loss(implementation, kw):
-    def loss(q, k, v):
-        out = jax_flash.attention(q, k, v, implementation=implementation, **kw)
+    """A loss of q, k, v and (when given, as a fourth argument) the bias."""
+    kw = dict(kw)
+    kw.pop("bias", None)
+
+    def loss(q, k, v, bias=None):
+        out = jax_flash.attention(q, k, v, bias, implementation=implementation, **kw)
         return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
 
     return loss
@@ -50,8 +64,11 @@ def test_forward_and_gradients_equal_the_xla_path(kernel_calls, case):
     assert jnp.array_equal(jnp.isneginf(lse), jnp.isneginf(ref_lse))
     visible = ~jnp.isneginf(ref_lse)
     assert float(jnp.max(jnp.abs(jnp.where(visible, lse - ref_lse, 0.0)))) < 1e-3
-    grads = jax.grad(_loss("cuda", kw), argnums=(0, 1, 2))(q, k, v)
-    for mine, ref in zip(grads, jax.grad(_loss("xla", kw), argnums=(0, 1, 2))(q, k, v)):
+    args = (q, k, v) + ((kw["bias"],) if "bias" in kw else ())
+    argnums = tuple(range(len(args)))
+    grads = jax.grad(_loss("cuda", kw), argnums)(*args)
+    for mine, ref in zip(grads, jax.grad(_loss("xla", kw), argnums)(*args), strict=True):
+        assert mine.shape == ref.shape and mine.dtype == ref.dtype
         assert reference.rel_error(mine, ref) < 2e-2
     targets = [target for target, _ in kernel_calls]
     assert targets.count("jax_flash_fwd") >= 2 and targets.count("jax_flash_bwd") == 1
@@ -91,6 +108,56 @@ def test_auto_mode_takes_the_kernels_where_they_run(kernel_calls):
     jax_flash.attention(q, k, v, is_causal=True, softcap=20.0)
     assert [target for target, _ in kernel_calls] == ["jax_flash_fwd"]
     kernel_calls.clear()
-    jax_flash.attention(q, k, v, bias=jnp.zeros((1, 2, 16, 16), jnp.bfloat16))  # bias: the xla path
+    jax_flash.attention(q, k, v, bias=jnp.zeros((1, 2, 16, 16), jnp.float32), mask=jnp.ones((2, 1, 16, 1), bool))
+    assert [target for target, _ in kernel_calls] == ["jax_flash_fwd"]
+    assert kernel_calls[0][1][-2:] == [(1, 2, 16, 16), (2, 1, 16, 1)]  # passed as given, not broadcast
+    kernel_calls.clear()
     jax_flash.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))  # float32
     assert kernel_calls == []
+
+
+def test_bias_gradient_only_when_differentiated(kernel_calls):
+    """The backward asks the kernels for dbias (in the bias's shape, float32) only when the bias
+    is differentiated; a float64 bias is passed as float32 and its gradient comes back float64."""
+    q, k, v = qkv(rng_for("cuda-path-dbias"), jnp.bfloat16, 2, 24, 24, 2, 2, 32)
+    bias = jnp.asarray(rng_for("cuda-path-dbias-b").normal(size=(1, 2, 24, 1)))
+    jax.grad(_loss("cuda", {}), argnums=(0, 1, 2))(q, k, v, bias)
+    assert kernel_calls.results["jax_flash_bwd"][-1] == (2, 0, 0, 0)
+    grads = jax.grad(_loss("cuda", {}), argnums=3)(q, k, v, bias)
+    assert kernel_calls.results["jax_flash_bwd"][-1] == (1, 2, 24, 1)
+    assert grads.dtype == bias.dtype
+    assert reference.rel_error(grads, jax.grad(_loss("xla", {}), argnums=3)(q, k, v, bias)) < 2e-2
+
+
+def test_deterministic_bias_gradient_is_summed_by_xla(kernel_calls, monkeypatch):
+    """Deterministic mode: the kernels write every [B, N, T, S] element of dbias once, and XLA sums
+    the broadcast axes (atomics would add them in any order)."""
+    monkeypatch.setenv(_ffi.DETERMINISTIC_ENV, "1")
+    q, k, v = qkv(rng_for("cuda-path-dbias-det"), jnp.bfloat16, 2, 24, 40, 4, 2, 32)
+    bias = jnp.asarray(rng_for("cuda-path-dbias-det-b").normal(size=(1, 1, 24, 40)), jnp.float32)
+    grads = jax.grad(_loss("cuda", {"is_causal": True}), argnums=3)(q, k, v, bias)
+    assert kernel_calls.results["jax_flash_bwd"][-1] == (2, 4, 24, 40)
+    assert grads.shape == bias.shape
+    assert reference.rel_error(grads, jax.grad(_loss("xla", {"is_causal": True}), argnums=3)(q, k, v, bias)) < 2e-2
+
+
+@pytest.mark.parametrize("bias_axes", [(0,), (0, 3), None], ids=["bias-mapped", "all-mapped", "bias-shared"])
+def test_vmap_with_a_broadcast_bias(kernel_calls, bias_axes):
+    """vmap of the gradient with a bias whose batch axis broadcasts (size 1): one kernel call, and
+    per mapped element the gradients of its own problem."""
+    rng = rng_for("cuda-path-vmap-bias", str(bias_axes))
+    q, k, v = (x.reshape(3, 2, *x.shape[1:]) for x in qkv(rng, jnp.bfloat16, 6, 16, 24, 2, 1, 32))
+    in_axes = (0, 0, 0, 0) if bias_axes == (0, 3) else (0, None, None, 0) if bias_axes == (0,) else (0, 0, 0, None)
+    k, v = (x if in_axes[1] == 0 else x[0] for x in (k, v))
+    bias_shape = (3, 1, 2, 16, 24) if in_axes[3] == 0 else (1, 2, 16, 24)
+    bias = jnp.asarray(rng.normal(size=bias_shape), jnp.float32)
+    mask = jnp.asarray(rng.random((1, 1, 16, 24)) < 0.8)
+    kw = {"mask": mask, "is_causal": True}
+    mine = jax.vmap(jax.grad(_loss("cuda", kw), argnums=(0, 1, 2, 3)), in_axes=in_axes)(q, k, v, bias)
+    assert kernel_calls[-1][0] == "jax_flash_bwd" and kernel_calls[-1][1][0] == (6, 16, 2, 32)  # folded
+    for i in range(3):
+        pick = lambda x, axis: x[i] if axis == 0 else x  # noqa: E731
+        args = [pick(x, axis) for x, axis in zip((q, k, v, bias), in_axes)]
+        ref = jax.grad(_loss("xla", kw), argnums=(0, 1, 2, 3))(*args)
+        for j, (g, r) in enumerate(zip(mine, ref)):
+            assert reference.rel_error(g[i], r) < 2e-2, (i, j)

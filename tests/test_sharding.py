@@ -128,6 +128,38 @@ def test_kernel_calls_are_partitioned(monkeypatch, spec, axis_type, kv_heads, ma
         assert reference.rel_error(mine, ref) < 1e-2  # MQA: dK and dV add bf16 parts
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+@pytest.mark.parametrize("bias_shape", [(1, 8, 64, 64), (4, 1, 1, 64)], ids=["heads-bias", "batch-bias"])
+def test_kernel_calls_with_a_bias_are_partitioned(monkeypatch, axis_type, bias_shape):
+    """A bias and a mask broadcast over the batch or the heads, split with the inputs where they
+    are full: no collective but the one all-reduce that adds the bias gradient's parts over the
+    axis it is broadcast along (batch or heads); values as unsharded."""
+    fake_kernels.install(monkeypatch)
+    mesh = _mesh(axis_type)
+    b, t, n = 4, 64, 8
+    rng = rng_for("partitioned-bias", bias_shape)
+    q, k, v = qkv(rng, jnp.bfloat16, b, t, t, n, 4, 32)
+    bias = jnp.asarray(rng.normal(size=bias_shape), jnp.float32)
+    mask = jnp.asarray(rng.random((b, 1, t, t)) < 0.8)
+    spec = P("data", None, "model", None)
+    bias_spec = P(*(axis if size > 1 else None for axis, size in zip(("data", "model"), bias_shape)))
+    placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+    placed += [jax.device_put(bias, NamedSharding(mesh, bias_spec)), jax.device_put(mask, NamedSharding(mesh, P("data")))]
+
+    def loss(q, k, v, bias, mask):
+        out = jax_flash.attention(q, k, v, bias, mask, is_causal=True, implementation="cuda")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    fwd = jax.jit(lambda *args: jax_flash.attention(*args, is_causal=True, implementation="cuda"))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    assert not _collectives(fwd, *placed)
+    assert _collectives(grad, *placed) == ["all-reduce"]
+    np.testing.assert_array_equal(np.asarray(fwd(*placed), np.float32),
+                                  np.asarray(fwd(q, k, v, bias, mask), np.float32))  # fmt: skip
+    for mine, ref in zip(grad(*placed), grad(q, k, v, bias, mask)):
+        assert reference.rel_error(mine, ref) < 1e-2
+
+
 def test_kernel_calls_keep_heads_whole_when_kv_heads_cannot_follow(monkeypatch):
     """Query heads over 4 devices with 2 kv heads: no device would hold whole GQA groups, so the
     calls gather the heads instead (right values; the batch stays sharded)."""

@@ -9,20 +9,31 @@
 
 namespace jax_flash {
 
-template <bool kSoftcap>
+// Whether a kernel variant (params.h) applies a cap: never, always (kSoftcap), or when the call
+// has one (kBias, which takes every feature in one instantiation).
+enum class Cap { kNever, kAlways, kIfSet };
+constexpr Cap cap_of(Variant v) {
+  return v == Variant::kSoftcap ? Cap::kAlways : v == Variant::kBias ? Cap::kIfSet : Cap::kNever;
+}
+
+template <Cap kCap>
 struct Logits {
+  static constexpr bool kMayCap = kCap != Cap::kNever;
   float tanh_scale;  // scale / c (with a cap)
   float unit;        // logit = unit * value
+  bool has_cap;      // read with kIfSet only
 
   __device__ __forceinline__ static Logits from(const FwdParams& p) {
-    return kSoftcap ? Logits{p.scale / p.softcap, p.softcap} : Logits{0.f, p.scale};
+    const bool cap = kCap == Cap::kAlways || (kCap == Cap::kIfSet && p.softcap > 0.f);
+    return cap ? Logits{p.scale / p.softcap, p.softcap, true} : Logits{0.f, p.scale, false};
   }
-  __device__ __forceinline__ float value(float s) const { return kSoftcap ? ptx::tanh(s * tanh_scale) : s; }
+  __device__ __forceinline__ bool capped() const { return kCap == Cap::kAlways || (kCap == Cap::kIfSet && has_cap); }
+  __device__ __forceinline__ float value(float s) const { return capped() ? ptx::tanh(s * tanh_scale) : s; }
 
   // The backward's dS = P (dP - delta) * d logit / d s takes d logit / d s = scale * slope(x):
   // under a cap the tanh's slope 1 - x^2, without one 1. The kernels take it before masking
   // (x = -inf would give -inf, and P = 0 times that NaN).
-  __device__ __forceinline__ static float slope(float x) { return kSoftcap ? 1.f - x * x : 1.f; }
+  __device__ __forceinline__ float slope(float x) const { return capped() ? 1.f - x * x : 1.f; }
 };
 
 }  // namespace jax_flash

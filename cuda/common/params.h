@@ -17,8 +17,15 @@ struct MaskChunk {
 
 // The compiled variants of every kernel. kPlain reads no masks (the dispatch checked there are
 // none), kMasked reads sequence lengths and segment ids, kSoftcap is kMasked plus the soft cap.
+// kBias reads everything: kMasked's masks, the soft cap when one is set, and an additive bias and
+// boolean mask over [B, N, T, S] (only the mma.sync kernels have it).
 // Separate instantiations keep the common calls' kernels free of the others' registers.
-enum class Variant { kPlain, kMasked, kSoftcap };
+enum class Variant { kPlain, kMasked, kSoftcap, kBias };
+
+// Element strides of an array broadcast to [B, N, T, S]: 0 along its axes of size 1.
+struct Strides4 {
+  int64_t batch, head, row, col;
+};
 
 struct FwdParams {
   const void* q;
@@ -38,6 +45,13 @@ struct FwdParams {
   const int* kv_segments;
   const MaskChunk* q_chunks;   // [B, ceil(T / kMaskChunk)], with the segment ids
   const MaskChunk* kv_chunks;  // [B, ceil(S / kMaskChunk)]
+  // kBias only (nullptr: none): an additive bias, float32 or the dtype of q, and a boolean mask
+  // (true: attend), each broadcastable to [B, N, T, S].
+  const void* bias;
+  bool bias_fp32;
+  Strides4 bias_strides;
+  const bool* mask;
+  Strides4 mask_strides;
 };
 
 // The largest query block of a backward kernel: the statistics rows are padded to a multiple.
@@ -60,6 +74,10 @@ struct BwdParams : FwdParams {
   // zeroed by bwd_preprocess; the key blocks add their dQ parts of a query block in key-block
   // order (bwd_walk.cuh). nullptr: in any order (faster, not bit-reproducible).
   int* dq_turns;
+  // kBias only: the bias's gradient, d loss / d logit, float32, zeroed by the handler and added to
+  // with atomics (so broadcast axes sum up); nullptr: not wanted.
+  float* dbias;
+  Strides4 dbias_strides;
 };
 
 }  // namespace jax_flash

@@ -108,6 +108,47 @@ ffi::Error fill_masks(ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> q_seg
   return ffi::Error::Success();
 }
 
+// The element strides of an array broadcastable to [B, N, T, S] (0 along its axes of size 1);
+// false unless it is rank 4 with each axis 1 or the full size.
+bool broadcast_strides(ffi::AnyBuffer::Dimensions d, const FwdParams& p, Strides4* strides) {
+  const int64_t full[4] = {p.batch, p.heads, p.seqlen_q, p.seqlen_k};
+  if (d.size() != 4) return false;
+  int64_t s[4], stride = 1;
+  for (int i = 3; i >= 0; --i) {
+    if (d[i] != 1 && d[i] != full[i]) return false;
+    s[i] = d[i] == 1 ? 0 : stride;
+    stride *= d[i];
+  }
+  *strides = {s[0], s[1], s[2], s[3]};
+  return true;
+}
+
+// The optional additive bias (float32 or q's dtype) and boolean mask (an empty buffer: none).
+ffi::Error fill_bias(ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::DataType dtype, FwdParams* p) {
+  if (bias.element_count() > 0) {
+    if (bias.element_type() != ffi::DataType::F32 && bias.element_type() != dtype) {
+      return ffi::Error::InvalidArgument("jax_flash: bias must be float32 or the dtype of q");
+    }
+    if (!broadcast_strides(bias.dimensions(), *p, &p->bias_strides)) {
+      return ffi::Error::InvalidArgument("jax_flash: bias must broadcast to [B, N, T, S] (each axis 1 or full), got " +
+                                         shape_string(bias.dimensions()));
+    }
+    p->bias = bias.untyped_data();
+    p->bias_fp32 = bias.element_type() == ffi::DataType::F32;
+  }
+  if (mask.element_count() > 0) {
+    if (mask.element_type() != ffi::DataType::PRED) {
+      return ffi::Error::InvalidArgument("jax_flash: mask must be boolean");
+    }
+    if (!broadcast_strides(mask.dimensions(), *p, &p->mask_strides)) {
+      return ffi::Error::InvalidArgument("jax_flash: mask must broadcast to [B, N, T, S] (each axis 1 or full), got " +
+                                         shape_string(mask.dimensions()));
+    }
+    p->mask = static_cast<const bool*>(mask.untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error check_kernel_family(int32_t kernels) {
   if (kernels != int32_t(KernelFamily::kBest) && kernels != int32_t(KernelFamily::kSm80)) {
     return ffi::Error::InvalidArgument("jax_flash: kernels must be 0 (best) or 80 (sm80 only), got " +
@@ -127,7 +168,8 @@ ffi::Error launch_status(cudaError_t status, const char* what) {
 ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> q_segments,
                     ffi::Buffer<ffi::S32> kv_segments, ffi::Buffer<ffi::S32> q_chunks,
-                    ffi::Buffer<ffi::S32> kv_chunks, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                    ffi::Buffer<ffi::S32> kv_chunks, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
+                    ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                     float scale, float softcap, int32_t window_left, int32_t window_right, int32_t kernels) {
   FwdParams p{};
   DType dtype;
@@ -138,6 +180,7 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                                        std::to_string(p.head_dim));
   }
   if (ffi::Error e = fill_masks(seqlens, q_segments, kv_segments, q_chunks, kv_chunks, &p); e.failure()) return e;
+  if (ffi::Error e = fill_bias(bias, mask, q.element_type(), &p); e.failure()) return e;
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
   if (ffi::Error e = check_kernel_family(kernels); e.failure()) return e;
@@ -148,10 +191,12 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
                     ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> q_segments,
                     ffi::Buffer<ffi::S32> kv_segments, ffi::Buffer<ffi::S32> q_chunks,
-                    ffi::Buffer<ffi::S32> kv_chunks, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
+                    ffi::Buffer<ffi::S32> kv_chunks, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
+                    ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
                     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                     ffi::Result<ffi::Buffer<ffi::F32>> delta, ffi::Result<ffi::Buffer<ffi::F32>> lse_log2,
-                    ffi::Result<ffi::Buffer<ffi::S32>> dq_turns, float scale, float softcap,
+                    ffi::Result<ffi::Buffer<ffi::S32>> dq_turns, ffi::Result<ffi::Buffer<ffi::F32>> dbias,
+                    float scale, float softcap,
                     int32_t window_left, int32_t window_right, int32_t kernels, int32_t deterministic) {
   BwdParams p{};
   DType dtype;
@@ -162,6 +207,7 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                                        std::to_string(p.head_dim));
   }
   if (ffi::Error e = fill_masks(seqlens, q_segments, kv_segments, q_chunks, kv_chunks, &p); e.failure()) return e;
+  if (ffi::Error e = fill_bias(bias, mask, q.element_type(), &p); e.failure()) return e;
   p.o = const_cast<void*>(o.untyped_data());
   p.lse = const_cast<float*>(lse.typed_data());
   p.dout = dout.untyped_data();
@@ -185,6 +231,17 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                                        shape_string(td));
   }
   p.dq_turns = deterministic != 0 ? dq_turns->typed_data() : nullptr;
+  if (dbias->element_count() > 0) {
+    // An empty dbias: not wanted. Otherwise the kernels add into it: zero it first.
+    if (p.bias == nullptr || !broadcast_strides(dbias->dimensions(), p, &p.dbias_strides)) {
+      return ffi::Error::InvalidArgument("jax_flash: dbias needs a bias and must broadcast to [B, N, T, S], got " +
+                                         shape_string(dbias->dimensions()));
+    }
+    p.dbias = dbias->typed_data();
+    if (cudaError_t e = cudaMemsetAsync(p.dbias, 0, dbias->size_bytes(), stream); e != cudaSuccess) {
+      return launch_status(e, "dbias zeroing");
+    }
+  }
   if (ffi::Error e = check_kernel_family(kernels); e.failure()) return e;
   return launch_status(run_bwd(dtype, p, KernelFamily(kernels), stream), "backward");
 }
@@ -203,6 +260,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_fwd_handler, jax_flash::fwd_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv segment ids [B, S] or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q chunks [B, T / 64, 4] or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv chunks [B, S / 64, 4] or empty
+                                  .Arg<ffi::AnyBuffer>()  // bias, broadcastable to [B, N, T, S], or empty
+                                  .Arg<ffi::AnyBuffer>()  // boolean mask, broadcastable to [B, N, T, S], or empty
                                   .Ret<ffi::AnyBuffer>()  // o
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [B, N, T]
                                   .Attr<float>("scale")
@@ -227,12 +286,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv segment ids [B, S] or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q chunks [B, T / 64, 4] or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv chunks [B, S / 64, 4] or empty
+                                  .Arg<ffi::AnyBuffer>()  // bias, broadcastable to [B, N, T, S], or empty
+                                  .Arg<ffi::AnyBuffer>()  // boolean mask, broadcastable to [B, N, T, S], or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dQ accumulator [B, T, N, H]
                                   .Ret<ffi::AnyBuffer>()  // dK
                                   .Ret<ffi::AnyBuffer>()  // dV
                                   .Ret<ffi::Buffer<ffi::F32>>()  // delta scratch [B, N, T padded]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse_log2 scratch [B, N, T padded]
                                   .Ret<ffi::Buffer<ffi::S32>>()  // dq_turns scratch [B, N, T padded / 64]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dbias, shaped like the bias, or empty
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")  // 0: none
                                   .Attr<int32_t>("window_left")

@@ -42,6 +42,7 @@ bool use_sm90(KernelFamily family) {
 // The variant that reads what the call has (params.h).
 template <typename Fn>
 cudaError_t by_variant(const FwdParams& p, Fn&& fn) {
+  if (p.bias != nullptr || p.mask != nullptr) return fn(std::integral_constant<Variant, Variant::kBias>{});
   if (p.softcap > 0.f) return fn(std::integral_constant<Variant, Variant::kSoftcap>{});
   if (p.seqlens != nullptr || p.q_segments != nullptr) return fn(std::integral_constant<Variant, Variant::kMasked>{});
   return fn(std::integral_constant<Variant, Variant::kPlain>{});
@@ -52,7 +53,7 @@ cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream
   const bool sm90 = use_sm90(family) && fwd_sm90_supports_head_dim(p.head_dim);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
-    if constexpr (fwd_sm90_supports_head_dim(kHeadDim)) {
+    if constexpr (kVariant != Variant::kBias && fwd_sm90_supports_head_dim(kHeadDim)) {
       if (sm90) return run_fwd_sm90<T, kHeadDim, kVariant>(p, stream);
     }
     return run_fwd_sm80<T, kHeadDim, kVariant>(p, stream);
@@ -70,7 +71,7 @@ cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream
   const bool sm90 = use_sm90(family) && bwd_sm90_supports_head_dim(p.head_dim);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
-    if constexpr (bwd_sm90_supports_head_dim(kHeadDim)) {
+    if constexpr (kVariant != Variant::kBias && bwd_sm90_supports_head_dim(kHeadDim)) {
       if (sm90) return run_bwd_sm90<T, kHeadDim, kVariant>(p, stream);
     }
     if constexpr (bwd_supports_head_dim(kHeadDim)) {

@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "common/bwd_walk.cuh"
+#include "common/bias.cuh"
 #include "common/logits.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
@@ -24,7 +25,7 @@ namespace jax_flash::sm80 {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// kVariant (params.h): which of the masks (mask.cuh) and the soft cap (logits.cuh) are read.
+// kVariant (params.h): which of the masks (mask.cuh, bias.cuh) and the soft cap (logits.cuh) are read.
 template <typename Cfg, Variant kVariant>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdParams p) {
   using T = typename Cfg::T;
@@ -37,7 +38,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   constexpr int kSdpMTiles = Cfg::kSdpRowsPerWarp / 16;  // m16 tiles of a warp's S and dP
   constexpr int kDqMTiles = Cfg::kDqRowsPerWarp / 16;
   constexpr int kDqNTiles = Cfg::kDqColsPerWarp / 8;
-  constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
+  constexpr bool kMasked = kVariant != Variant::kPlain, kBias = kVariant == Variant::kBias;
 
   extern __shared__ __align__(128) char smem[];
   // Layout: K, V, kStages x (Q, dO, lse, delta), P, dS.
@@ -59,7 +60,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   // With the row test even without lengths: rows past T see nothing either way, and so ptxas
   // allocates this kernel without spills (it spilled 16 bytes at d = 128 without).
   const Band band = Band::from<kMasked>(p, batch).masking_rows();
-  const auto logits = Logits<kSoftcap>::from(p);
+  using LogitsT = Logits<cap_of(kVariant)>;
+  const LogitsT logits = LogitsT::from(p);
   const float scale_log2 = logits.unit * kLog2e;
 
   const int64_t q_row_stride = int64_t(p.heads) * kHeadDim;
@@ -145,6 +147,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     // S = Q K^T, then P, then dP = dO V^T: kSdpRowsPerWarp queries x 32 keys per warp. S and dP take turns in
     // the same registers; P waits for dP packed to 16 bits (the precision it is stored in).
     const bool masked = !band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1);
+    const LogitBias<T> bias = kBias ? LogitBias<T>::from(p, batch, head, logits.unit) : LogitBias<T>{};
     float acc[kSdpMTiles][4][4];
     // P for dS, packed to 16 bits; with a cap, P times the tanh's slope (logits.cuh), so that the
     // slopes need no registers of their own while dP is computed.
@@ -179,34 +182,45 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     auto col = [&](int n, int j) { return sdp_n + n * 8 + (lane % 4) * 2 + j; };
 
     // P = exp(logit - lse) (0 for rows that see no key: their lse_log2 is +inf); keys outside the
-    // band or past seqlen_k are masked here.
-    product(stage_offset, 0);
+    // band or past seqlen_k are masked here. `pairs`: the bias's layout (kBias only, bias.cuh).
+    auto probabilities = [&](auto pairs) {
 #pragma unroll
-    for (int mt = 0; mt < kSdpMTiles; ++mt)
+      for (int mt = 0; mt < kSdpMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float lse_log2 = stats[row(mt, r)];
-        const int q = q_first + row(mt, r);
-        const Range seen = band.keys_seen_by(q);
+        for (int r = 0; r < 2; ++r) {
+          const float lse_log2 = stats[row(mt, r)];
+          const int q = q_first + row(mt, r);
+          const Range seen = band.keys_seen_by(q);
 #pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          float prob[2], slope[2];
+          for (int n = 0; n < 4; ++n) {
+            float2 add{0.f, 0.f};
+            if constexpr (kBias) add = bias.template pair<decltype(pairs)::value>(q, k_first + col(n, 0));
+            float prob[2], slope[2];
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int k = k_first + col(n, j);
-            const float x = logits.value(acc[mt][n][2 * r + j]);
-            slope[j] = logits.slope(x);
-            prob[j] = ptx::exp2(x * scale_log2 - lse_log2);
-            if (masked && (k < seen.begin || k >= seen.end || !band.same_segment(q, k))) prob[j] = 0.f;
+            for (int j = 0; j < 2; ++j) {
+              const int k = k_first + col(n, j);
+              const float x = logits.value(acc[mt][n][2 * r + j]);
+              slope[j] = logits.slope(x);
+              const float biased = kBias ? x + (j ? add.y : add.x) : x;
+              prob[j] = ptx::exp2(biased * scale_log2 - lse_log2);
+              if (masked && (k < seen.begin || k >= seen.end || !band.same_segment(q, k))) prob[j] = 0.f;
+            }
+            const uint32_t packed = ptx::pack2<T>(prob[0], prob[1]);
+            ptx::st_shared_b32(st_p(n, mt * 16 + r * 8), packed);
+            p_for_ds[mt][n][r] = LogitsT::kMayCap ? ptx::pack2<T>(prob[0] * slope[0], prob[1] * slope[1]) : packed;
           }
-          const uint32_t packed = ptx::pack2<T>(prob[0], prob[1]);
-          ptx::st_shared_b32(st_p(n, mt * 16 + r * 8), packed);
-          p_for_ds[mt][n][r] = kSoftcap ? ptx::pack2<T>(prob[0] * slope[0], prob[1] * slope[1]) : packed;
         }
-      }
+    };
+    product(stage_offset, 0);
+    if constexpr (kBias) {
+      bias.with_layout(probabilities);
+    } else {
+      probabilities(std::true_type{});
+    }
 
     // dS = P (dP - delta) * scale (* slope with a cap, inside p_for_ds).
     product(stage_offset + kDoFromQ, kVFromK);
+    const BiasGrad dbias = kBias ? BiasGrad::from(p, batch, head) : BiasGrad{};
 #pragma unroll
     for (int mt = 0; mt < kSdpMTiles; ++mt)
 #pragma unroll
@@ -218,6 +232,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
           const float ds0 = prob.x * (acc[mt][n][2 * r] - delta) * p.scale;
           const float ds1 = prob.y * (acc[mt][n][2 * r + 1] - delta) * p.scale;
           ptx::st_shared_b32(st_p(n, mt * 16 + r * 8) + kDsFromP, ptx::pack2<T>(ds0, ds1));
+          if constexpr (kBias) {
+            // d logit = P (dP - delta), with P (no slope) read back from this thread's own stores.
+            const int q = q_first + row(mt, r);
+            if (dbias.wanted() && q < p.seqlen_q) {
+              const float2 plain = ptx::unpack2<T>(ptx::ld_shared_b32(st_p(n, mt * 16 + r * 8)));
+#pragma unroll
+              for (int j = 0; j < 2; ++j) {
+                const int k = k_first + col(n, j);
+                const float prob_j = j ? plain.y : plain.x;
+                if (prob_j != 0.f && k < p.seqlen_k) dbias.add(q, k, prob_j * (acc[mt][n][2 * r + j] - delta));
+              }
+            }
+          }
         }
       }
     __syncthreads();  // P and dS of every warp are in shared memory

@@ -10,6 +10,7 @@
 
 #include <cmath>
 
+#include "common/bias.cuh"
 #include "common/logits.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
@@ -19,7 +20,7 @@
 
 namespace jax_flash::sm80 {
 
-// kVariant (params.h): which of the masks (mask.cuh) and the soft cap (logits.cuh) are read.
+// kVariant (params.h): which of the masks (mask.cuh, bias.cuh) and the soft cap (logits.cuh) are read.
 template <typename Cfg, Variant kVariant>
 __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   using T = typename Cfg::T;
@@ -31,7 +32,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   constexpr int kDTiles = kHeadDim / 8;   // n8 tiles of O per warp
   constexpr int kKSteps = kHeadDim / 16;  // k16 steps of Q K^T
   constexpr float kLog2e = 1.4426950408889634f;
-  constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
+  constexpr bool kMasked = kVariant != Variant::kPlain, kBias = kVariant == Variant::kBias;
 
   extern __shared__ __align__(128) char smem[];
   const uint32_t sQ = ptx::smem_addr(smem);
@@ -43,7 +44,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   const int q_first = m_block * kBlockM;
   const int rows_valid = min(kBlockM, p.seqlen_q - q_first);
   const Band band = Band::from<kMasked>(p, batch);
-  const auto logits = Logits<kSoftcap>::from(p);
+  const auto logits = Logits<cap_of(kVariant)>::from(p);
+  const LogitBias<T> bias = kBias ? LogitBias<T>::from(p, batch, head, logits.unit) : LogitBias<T>{};
 
   const int64_t q_row_stride = int64_t(p.heads) * kHeadDim;
   const int64_t kv_row_stride = int64_t(p.kv_heads) * kHeadDim;
@@ -139,16 +141,32 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
       }
     };
 
-    // Soft cap, band mask, then the online softmax of block j; leaves P in acc_s.
+    // Soft cap, band mask (and bias), then the online softmax of block j; leaves P in acc_s.
     auto softmax = [&](float (&acc_s)[kMTiles][kNTiles][4], int j) {
       const int k_first = (n_end - 1 - j) * kBlockN;
-      if constexpr (kSoftcap) {
+      if (logits.capped()) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
           for (int n = 0; n < kNTiles; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc_s[mt][n][i] = logits.value(acc_s[mt][n][i]);
+      }
+      if constexpr (kBias) {
+        // Bias and boolean mask: unconditional loads (bias.cuh), so that they issue together.
+        bias.with_layout([&](auto pairs) {
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+              for (int n = 0; n < kNTiles; ++n) {
+                const float2 add = bias.template pair<decltype(pairs)::value>(q_first + thread_row(mt, r),
+                                                                               k_first + n * 8 + (lane % 4) * 2);
+                acc_s[mt][n][2 * r] += add.x;
+                acc_s[mt][n][2 * r + 1] += add.y;
+              }
+        });
       }
       // Only blocks that straddle the band or the end of the keys need the mask.
       if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {

@@ -94,6 +94,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kStages = Cfg::kStages;
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
+  static_assert(kVariant != Variant::kBias, "bias and mask run the sm80 kernels");
   constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
 
   extern __shared__ char smem[];
@@ -223,7 +224,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // column accum_col(i).
   auto accum_row = [&](int i) { return ((i % 4) / 2) * 8 + lane / 4; };
   auto accum_col = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
-  const auto logits = Logits<kSoftcap>::from(p);
+  const auto logits = Logits<cap_of(kVariant)>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
   // dQ: at H = 128 this consumer's 64 columns over all keys, at H = 64 all columns over its keys.
   constexpr int kDqKeys = Cfg::kDqSplitsColumns ? kBlockN : 64;

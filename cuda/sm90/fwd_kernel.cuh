@@ -77,6 +77,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kStages = Cfg::kStages;
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
+  static_assert(kVariant != Variant::kBias, "bias and mask run the sm80 kernels");
   constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
 
   extern __shared__ char smem[];
@@ -160,7 +161,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < kORegs; ++i) o[c][i] = 0.f;
 
-  const auto logits = Logits<kSoftcap>::from(p);
+  const auto logits = Logits<cap_of(kVariant)>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
 
   // S = Q K_j^T issued (not waited for): k16 steps along the head dim, 4 per 64-column panel

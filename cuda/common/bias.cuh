@@ -1,0 +1,104 @@
+// The additive bias and boolean mask of the kBias variant (params.h), and the bias's gradient,
+// for one (batch row, query head). Arrays broadcast to [B, N, T, S] through zero strides.
+#pragma once
+
+#include <cmath>
+#include <type_traits>
+
+#include "common/params.h"
+#include "common/ptx.cuh"
+
+namespace jax_flash {
+
+template <typename T>
+struct LogitBias {
+  const char* bias;  // at (batch, head); nullptr: none
+  const unsigned char* mask;
+  int64_t bias_row, bias_col, mask_row, mask_col;
+  int last_q, last_k;  // indices clamp to these, so that every load is in bounds
+  bool bias_fp32;
+  // Keys k, k + 1 (k even) adjacent and aligned in both arrays: unit key strides, even row
+  // strides and an even S. Then a thread's two keys load as one.
+  bool pairs;
+  float inv_unit;  // the kernels keep logit = unit * x (logits.cuh), so x gets bias / unit
+
+  __device__ static LogitBias from(const FwdParams& p, int batch, int head, float unit) {
+    const Strides4& b = p.bias_strides;
+    const Strides4& m = p.mask_strides;
+    const int64_t bias_offset = (batch * b.batch + head * b.head) * (p.bias_fp32 ? 4 : sizeof(T));
+    const bool bias_pairs = !p.bias || (b.col == 1 && b.row % 2 == 0);
+    const bool mask_pairs = !p.mask || (m.col == 1 && m.row % 2 == 0);
+    return {p.bias ? static_cast<const char*>(p.bias) + bias_offset : nullptr,
+            p.mask ? reinterpret_cast<const unsigned char*>(p.mask) + batch * m.batch + head * m.head : nullptr,
+            b.row, b.col, m.row, m.col, p.seqlen_q - 1, p.seqlen_k - 1, p.bias_fp32,
+            bias_pairs && mask_pairs && p.seqlen_k % 2 == 0, 1.f / unit};
+  }
+
+  // A mask loop, unswitched on `pairs`: fn(std::true_type{}) or fn(std::false_type{}).
+  template <typename Fn>
+  __device__ __forceinline__ void with_layout(Fn&& fn) const {
+    if (pairs) {
+      fn(std::true_type{});
+    } else {
+      fn(std::false_type{});
+    }
+  }
+
+  // What x of query q and keys k, k + 1 (k even) gets added: bias / unit, or -inf where the mask
+  // hides the key. Indices past the tensors read the last element: the loads need no branch, and
+  // the kernels mask those elements anyway.
+  template <bool kPairs>
+  __device__ __forceinline__ float2 pair(int q, int k) const {
+    q = min(q, last_q);
+    const int k1 = kPairs ? k : min(k + 1, last_k);
+    k = min(k, kPairs ? last_k - 1 : last_k);
+    float2 add{0.f, 0.f};
+    if (bias != nullptr) {
+      const int64_t i = q * bias_row + k * bias_col;
+      if constexpr (kPairs) {
+        if (bias_fp32) {
+          add = __ldg(reinterpret_cast<const float2*>(bias) + i / 2);
+        } else {
+          add = ptx::unpack2<T>(__ldg(reinterpret_cast<const unsigned*>(bias) + i / 2));
+        }
+      } else {
+        const int64_t i1 = q * bias_row + k1 * bias_col;
+        add = bias_fp32 ? float2{__ldg(reinterpret_cast<const float*>(bias) + i),
+                                 __ldg(reinterpret_cast<const float*>(bias) + i1)}
+                        : float2{static_cast<float>(__ldg(reinterpret_cast<const T*>(bias) + i)),
+                                 static_cast<float>(__ldg(reinterpret_cast<const T*>(bias) + i1))};
+      }
+      add.x *= inv_unit, add.y *= inv_unit;
+    }
+    if (mask != nullptr) {
+      const int64_t i = q * mask_row + k * mask_col;
+      bool keep0, keep1;
+      if constexpr (kPairs) {
+        const unsigned short both = __ldg(reinterpret_cast<const unsigned short*>(mask) + i / 2);
+        keep0 = (both & 0xff) != 0, keep1 = (both >> 8) != 0;
+      } else {
+        keep0 = __ldg(mask + i) != 0, keep1 = __ldg(mask + q * mask_row + k1 * mask_col) != 0;
+      }
+      if (!keep0) add.x = -INFINITY;
+      if (!keep1) add.y = -INFINITY;
+    }
+    return add;
+  }
+};
+
+struct BiasGrad {
+  float* dbias;  // at (batch, head); nullptr: not wanted
+  int64_t row, col;
+
+  __device__ static BiasGrad from(const BwdParams& p, int batch, int head) {
+    const Strides4& s = p.dbias_strides;
+    return {p.dbias ? p.dbias + batch * s.batch + head * s.head : nullptr, s.row, s.col};
+  }
+  __device__ __forceinline__ bool wanted() const { return dbias != nullptr; }
+  // d loss / d logit of (q, k), added: broadcast axes sum over the elements that share them.
+  __device__ __forceinline__ void add(int q, int k, float value) const {
+    atomicAdd(dbias + q * row + k * col, value);
+  }
+};
+
+}  // namespace jax_flash

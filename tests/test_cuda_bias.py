@@ -1,0 +1,125 @@
+"""Bias and boolean masks in the CUDA kernels (marked `gpu`): broadcast or full, float32 or the
+inputs' dtype, alone and with every other mask and the soft cap; forward and gradients (the bias's
+included) against the float64 reference and the xla path, in both kernel families."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import _ffi
+from tests import reference
+from tests.cases import qkv, rng_for
+from tests.test_cuda import GRAD_TOL, _custom_call_targets, check, poison_free_memory
+from tests.test_cuda_masks import _lengths, _packed
+
+pytestmark = pytest.mark.gpu
+
+
+def _bias(rng, shape, dtype=jnp.float32):
+    return jnp.asarray(rng.normal(size=shape), jnp.float32).astype(dtype)
+
+
+def _mask(rng, shape):
+    mask = rng.random(shape) < 0.75
+    mask[0, 0, 0, :] = False  # a fully masked row
+    return jnp.asarray(mask)
+
+
+def _bias_grad(implementation, q, k, v, g_out, bias, **kw):
+    def loss(bias):
+        out = jax_flash.attention(q, k, v, bias, implementation=implementation, **kw)
+        return jnp.sum(out.astype(jnp.float32) * g_out)
+
+    poison_free_memory()
+    return jax.jit(jax.grad(loss))(bias)
+
+
+def check_with_bias(dtype, b, t, s, n, kv_heads, h, bias, **kw):
+    """`test_cuda.check` (output, lse, dq, dk, dv), then the bias's gradient against the float64
+    reference and the xla path."""
+    (q, k, v, g_out), _ = check(dtype, b, t, s, n, kv_heads, h, bias=bias, **kw)
+    ref = jax.grad(lambda bias: jnp.sum(reference.attention(q, k, v, bias, **kw)[0] * g_out))(bias)
+    xla = _bias_grad("xla", q, k, v, g_out, bias, **kw)
+    for family in ("best", "sm80"):
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(_ffi.KERNELS_ENV, family)
+            mine = _bias_grad("cuda", q, k, v, g_out, bias, **kw)
+        assert mine.shape == bias.shape and mine.dtype == bias.dtype
+        err, xla_err = reference.rel_error(mine, ref), reference.rel_error(xla, ref)
+        assert err < GRAD_TOL, f"{family} dbias: {err:.2e}"
+        assert err <= 2 * xla_err + 1e-3, f"{family} dbias: {err:.2e} vs xla path {xla_err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("h", [32, 64, 128, 256, 192])
+@pytest.mark.parametrize("shape", ["full", "heads_keys"])
+def test_bias_head_dims(dtype, h, shape):
+    # S odd: the kernels load the bias key by key; even (and unit key strides): in pairs (bias.cuh).
+    b, t, s, n = 2, 300, 518 if shape == "full" else 517, 4
+    rng = rng_for("bias", dtype, h, shape)
+    bias_shape = {"full": (b, n, t, s), "heads_keys": (1, n, 1, s)}[shape]
+    check_with_bias(dtype, b, t, s, n, 2, h, _bias(rng, bias_shape, jnp.float32 if shape == "full" else dtype))
+
+
+@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("kw", ["mask", "mask_causal_gqa", "bias_mask_rows", "everything"])
+def test_bias_and_mask_with_other_masks(h, kw):
+    rng = rng_for("bias_masks", h, kw)
+    b, t, s, n = 3, 700, 900, 4
+    cases = {
+        "mask": dict(mask=_mask(rng, (b, n, t, s))),
+        "mask_causal_gqa": dict(mask=_mask(rng, (b, 1, t, s)), is_causal=True),
+        # (A bias broadcast over the keys has a zero gradient: softmax ignores a row's constant.)
+        "bias_mask_rows": dict(bias=_bias(rng, (b, 1, 1, s)), mask=_mask(rng, (1, n, t, 1)), local_window_size=(90, 20)),
+        "everything": dict(bias=_bias(rng, (1, n, t, s), jnp.bfloat16), mask=_mask(rng, (b, 1, t, s)),
+                           is_causal=True, softcap=5.0, scale=0.5, key_value_seq_lengths=_lengths(rng, b, s),
+                           q_segment_ids=_packed(rng, b, t, 3), kv_segment_ids=_packed(rng, b, s, 3)),
+    }[kw]
+    bias = cases.pop("bias", None)
+    kv_heads = 1 if kw == "mask_causal_gqa" else 2
+    if bias is None:
+        check(jnp.bfloat16, b, t, s, n, kv_heads, h, **cases)
+    else:
+        check_with_bias(jnp.bfloat16, b, t, s, n, kv_heads, h, bias, **cases)
+
+
+def test_fully_masked_rows_give_zero_and_no_nan():
+    rng = rng_for("bias_empty_rows")
+    q, k, v = qkv(rng, jnp.bfloat16, 2, 130, 200, 2, 2, 64)
+    mask = np.ones((2, 2, 130, 200), bool)
+    mask[:, :, 5:70] = False
+    bias = _bias(rng, (1, 2, 130, 200))
+
+    def loss(q, k, v, bias):
+        out = jax_flash.attention(q, k, v, bias, jnp.asarray(mask), implementation="cuda")
+        return jnp.sum(out.astype(jnp.float32) ** 2), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, bias)
+    assert not np.any(np.asarray(out[:, 5:70], np.float32))
+    for g in grads:
+        assert not np.isnan(np.asarray(g, np.float32)).any()
+    assert not np.any(np.asarray(grads[0][:, 5:70], np.float32))  # dQ of the empty rows
+    assert not np.any(np.asarray(grads[3][:, :, 5:70]))  # and their dbias
+
+
+def test_deterministic_bias_gradient(monkeypatch):
+    """Deterministic mode: a broadcast bias's gradient bit-identical over 5 runs."""
+    monkeypatch.setenv(_ffi.DETERMINISTIC_ENV, "1")
+    rng = rng_for("bias_deterministic")
+    q, k, v = qkv(rng, jnp.bfloat16, 2, 600, 600, 4, 2, 128)
+    g_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    bias = _bias(rng, (1, 1, 600, 600))
+    first = _bias_grad("cuda", q, k, v, g_out, bias, is_causal=True)
+    for _ in range(4):
+        np.testing.assert_array_equal(_bias_grad("cuda", q, k, v, g_out, bias, is_causal=True), first)
+
+
+def test_auto_mode_runs_bias_and_mask_on_the_kernels():
+    rng = rng_for("auto_bias")
+    q, k, v = qkv(rng, jnp.bfloat16, 1, 256, 256, 2, 2, 128)
+    bias, mask = _bias(rng, (1, 2, 256, 256)), _mask(rng, (1, 1, 256, 256))
+    loss = lambda q, k, v, bias: jax_flash.attention(q, k, v, bias, mask).astype(jnp.float32).sum()  # noqa: E731
+    assert "jax_flash_fwd" in _custom_call_targets(lambda q, k, v: jax_flash.attention(q, k, v, bias, mask), q, k, v)
+    assert "jax_flash_bwd" in _custom_call_targets(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, v, bias)
