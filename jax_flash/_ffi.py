@@ -112,7 +112,7 @@ def mask_operand(mask, batch: int):
 
 def _bias_layout(x, batch: int, heads: int) -> str:
     """A bias, mask or dbias [B or 1, N or 1, T, S]: split along its batch and heads where full."""
-    return ("b" if x.shape[0] == batch else "-") + ("n" if x.shape[1] == heads and x.size else "-") + "--"
+    return ("b" if x.shape[0] == batch else "-") + ("n" if x.shape[1] == heads else "-") + "--"
 
 
 def _dbias_shape(bias, q, k) -> tuple[int, ...]:
