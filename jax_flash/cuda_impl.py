@@ -84,10 +84,15 @@ def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, 
     return tuple(g[..., :head_dim] for g in grads)
 
 
+def _forward(config: AttentionConfig, q, k, v, bias, mask, masks):
+    """(out, lse [B, N, T], the kernels' mask operands)."""
+    kernel = _kernel_masks(q, k, *masks)
+    return *_ffi.forward(config, q, k, v, kernel, bias, mask), kernel
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(config: AttentionConfig, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
-    kernel = _kernel_masks(q, k, q_len, kv_len, q_seg, kv_seg)
-    out, lse = _ffi.forward(config, q, k, v, kernel, bias, mask)
+    out, lse, _ = _forward(config, q, k, v, bias, mask, (q_len, kv_len, q_seg, kv_seg))
     return out, lse.transpose(0, 2, 1)
 
 
@@ -96,8 +101,7 @@ def _flash_fwd(config: AttentionConfig, q, k, v, bias, mask, *masks):
     # differentiated; the backward computes its gradient only then (a residual of None: not).
     differentiated_bias = bias.value if bias.perturbed else None
     q, k, v, bias, mask, *masks = (x.value if isinstance(x, CustomVJPPrimal) else x for x in (q, k, v, bias, mask, *masks))
-    kernel = _kernel_masks(q, k, *masks)
-    out, lse = _ffi.forward(config, q, k, v, kernel, bias, mask)  # lse: [B, N, T]
+    out, lse, kernel = _forward(config, q, k, v, bias, mask, masks)
     return (out, lse.transpose(0, 2, 1)), (q, k, v, bias, mask, differentiated_bias, out, lse, masks, kernel)
 
 

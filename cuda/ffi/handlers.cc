@@ -108,19 +108,24 @@ ffi::Error fill_masks(ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> q_seg
   return ffi::Error::Success();
 }
 
-// The element strides of an array broadcastable to [B, N, T, S] (0 along its axes of size 1);
-// false unless it is rank 4 with each axis 1 or the full size.
-bool broadcast_strides(ffi::AnyBuffer::Dimensions d, const FwdParams& p, Strides4* strides) {
+// The element strides of `name`, an array broadcastable to [B, N, T, S] (0 along its axes of
+// size 1); an error unless it is rank 4 with each axis 1 or the full size.
+ffi::Error broadcast_strides(ffi::AnyBuffer::Dimensions d, const char* name, const FwdParams& p,
+                             Strides4* strides) {
+  const auto invalid = [&] {
+    return ffi::Error::InvalidArgument(std::string("jax_flash: ") + name +
+                                       " must broadcast to [B, N, T, S] (each axis 1 or full), got " + shape_string(d));
+  };
   const int64_t full[4] = {p.batch, p.heads, p.seqlen_q, p.seqlen_k};
-  if (d.size() != 4) return false;
+  if (d.size() != 4) return invalid();
   int64_t s[4], stride = 1;
   for (int i = 3; i >= 0; --i) {
-    if (d[i] != 1 && d[i] != full[i]) return false;
+    if (d[i] != 1 && d[i] != full[i]) return invalid();
     s[i] = d[i] == 1 ? 0 : stride;
     stride *= d[i];
   }
   *strides = {s[0], s[1], s[2], s[3]};
-  return true;
+  return ffi::Error::Success();
 }
 
 // The optional additive bias (float32 or q's dtype) and boolean mask (an empty buffer: none).
@@ -129,10 +134,7 @@ ffi::Error fill_bias(ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::DataType dty
     if (bias.element_type() != ffi::DataType::F32 && bias.element_type() != dtype) {
       return ffi::Error::InvalidArgument("jax_flash: bias must be float32 or the dtype of q");
     }
-    if (!broadcast_strides(bias.dimensions(), *p, &p->bias_strides)) {
-      return ffi::Error::InvalidArgument("jax_flash: bias must broadcast to [B, N, T, S] (each axis 1 or full), got " +
-                                         shape_string(bias.dimensions()));
-    }
+    if (ffi::Error e = broadcast_strides(bias.dimensions(), "bias", *p, &p->bias_strides); e.failure()) return e;
     p->bias = bias.untyped_data();
     p->bias_fp32 = bias.element_type() == ffi::DataType::F32;
   }
@@ -140,10 +142,7 @@ ffi::Error fill_bias(ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::DataType dty
     if (mask.element_type() != ffi::DataType::PRED) {
       return ffi::Error::InvalidArgument("jax_flash: mask must be boolean");
     }
-    if (!broadcast_strides(mask.dimensions(), *p, &p->mask_strides)) {
-      return ffi::Error::InvalidArgument("jax_flash: mask must broadcast to [B, N, T, S] (each axis 1 or full), got " +
-                                         shape_string(mask.dimensions()));
-    }
+    if (ffi::Error e = broadcast_strides(mask.dimensions(), "mask", *p, &p->mask_strides); e.failure()) return e;
     p->mask = static_cast<const bool*>(mask.untyped_data());
   }
   return ffi::Error::Success();
@@ -233,10 +232,8 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   p.dq_turns = deterministic != 0 ? dq_turns->typed_data() : nullptr;
   if (dbias->element_count() > 0) {
     // An empty dbias: not wanted. Otherwise the kernels add into it: zero it first.
-    if (p.bias == nullptr || !broadcast_strides(dbias->dimensions(), p, &p.dbias_strides)) {
-      return ffi::Error::InvalidArgument("jax_flash: dbias needs a bias and must broadcast to [B, N, T, S], got " +
-                                         shape_string(dbias->dimensions()));
-    }
+    if (p.bias == nullptr) return ffi::Error::InvalidArgument("jax_flash: dbias needs a bias");
+    if (ffi::Error e = broadcast_strides(dbias->dimensions(), "dbias", p, &p.dbias_strides); e.failure()) return e;
     p.dbias = dbias->typed_data();
     if (cudaError_t e = cudaMemsetAsync(p.dbias, 0, dbias->size_bytes(), stream); e != cudaSuccess) {
       return launch_status(e, "dbias zeroing");
