@@ -21,6 +21,7 @@ parser.add_argument("--tokens", type=int, default=16384, help="batch x seqlen (r
 parser.add_argument("--masks", action="store_true",
                     help="sequence lengths and four packed documents a row (the masked kernels)")
 parser.add_argument("--softcap", type=float, default=None, help="logit soft cap (the softcap kernels)")
+parser.add_argument("--window", type=int, default=None, help="local window: this many keys to the left")
 args = parser.parse_args()
 
 dims = (-(-args.tokens // args.seqlen), args.seqlen, 2048 // args.head_dim, args.head_dim)
@@ -34,10 +35,14 @@ if args.masks:
                  key_value_seq_lengths=lengths.at[0].set(seqlen - 100))
 
 
+window = None if args.window is None else (args.window, 0 if args.causal else args.window)
+
+
 @jax.jit
 def fwd_bwd(q, k, v, do):
     out, vjp = jax.vjp(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=args.causal,
-                                                           implementation="cuda", softcap=args.softcap, **masks),
+                                                           implementation="cuda", softcap=args.softcap,
+                                                           local_window_size=window, **masks),
                         q, k, v)
     return out, vjp(do)
 
