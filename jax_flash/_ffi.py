@@ -134,8 +134,13 @@ def forward(config, q, k, v, masks: KernelMasks, bias, mask):
     def run(q, k, v, bias, mask, *masks):
         def kernel(q, k, v, bias, mask, *masks):
             b, t, n, _ = q.shape
-            result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
-            return call_kernel("jax_flash_fwd", result_types, (q, k, v, *masks, bias, mask), attrs)
+            result_types = (
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+                jax.ShapeDtypeStruct((1,), jnp.int32),  # tile counter scratch (the persistent sm90 forward)
+            )
+            out, lse, _ = call_kernel("jax_flash_fwd", result_types, (q, k, v, *masks, bias, mask), attrs)
+            return out, lse
 
         b, _, n, _ = q.shape
         layouts_in = ("b-n-", "b-k-", "b-k-", _bias_layout(bias, b, n), _bias_layout(mask, b, n)) + _MASK_LAYOUTS

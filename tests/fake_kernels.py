@@ -35,7 +35,7 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
     if target == "jax_flash_fwd":
         q, k, v, seqlens, q_segments, kv_segments, _, _, bias, mask = operands
         out, lse = xla_impl.attention(_call(attrs, q, k, v, seqlens, q_segments, kv_segments, bias, mask))
-        return out, lse.transpose(0, 2, 1)
+        return out, lse.transpose(0, 2, 1), jnp.zeros(result_types[2].shape, result_types[2].dtype)
     assert target == "jax_flash_bwd", target
     q, k, v, out, lse, d_out, d_lse, seqlens, q_segments, kv_segments, _, _, bias, mask = operands
     call = _call(attrs, q, k, v, seqlens, q_segments, kv_segments, bias, mask)

@@ -52,6 +52,9 @@ struct FwdParams {
   Strides4 bias_strides;
   const bool* mask;
   Strides4 mask_strides;
+  // The sm90 forward's tile counter: one int32 of scratch owned by XLA, zeroed by the launcher
+  // (the persistent CTAs take their tiles from it).
+  int* tile_counter;
 };
 
 // The largest query block of a backward kernel: the statistics rows are padded to a multiple.

@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "common/bwd_preprocess.cuh"
 #include "common/params.h"
 #include "launch/allow_smem.h"
@@ -16,18 +18,27 @@ namespace jax_flash {
 template <typename Cfg, Variant kVariant>
 cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   constexpr int kHeadDim = Cfg::kHeadDim;
+  const int64_t tiles = int64_t((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM) * p.batch * p.heads;
+  if (tiles == 0) return cudaSuccess;
+  if (p.tile_counter == nullptr || tiles > INT32_MAX) return cudaErrorInvalidValue;
   sm90::FwdTensorMaps maps;
   for (cudaError_t e : {
            make_tensor_map_bthd(&maps.q, p.q, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
            make_tensor_map_bthd(&maps.k, p.k, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
            make_tensor_map_bthd(&maps.v, p.v, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
-           make_tensor_map_bthd(&maps.o, p.o, p.batch, p.seqlen_q, p.heads, kHeadDim, 64),
        }) {
     if (e != cudaSuccess) return e;
   }
   auto kernel = sm90::fwd_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
-  const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.batch * p.heads);
+  // Persistent: one CTA per SM (the shared memory allows no more), each walking tiles.
+  int device = 0, sms = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) {
+    return e;
+  }
+  if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream); e != cudaSuccess) return e;
+  const int grid = int(tiles < sms ? tiles : sms);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
   return cudaGetLastError();
 }
@@ -35,9 +46,10 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // H = 64 without a band: 192-row tiles, +0-8% at 2k-16k; with one (causal, windows) they lost
-  // up to 7% to 128-row tiles, whose blocks on the diagonal waste less (docs/PERF.md, H5). Not with
-  // the soft cap, whose tanh makes the 160-register consumers spill.
-  if constexpr (kHeadDim == 64 && kVariant != Variant::kSoftcap) {
+  // up to 7% to 128-row tiles, whose blocks on the diagonal waste less (docs/PERF.md, H5). Only in
+  // the plain variant: the masked one's tile bounds (segment chunks) do not fit the producer's 32
+  // registers of a four-warp-group CTA, and the soft cap's tanh made the consumers spill.
+  if constexpr (kHeadDim == 64 && kVariant == Variant::kPlain) {
     if (p.window_left < 0 && p.window_right < 0) {
       return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 3>, kVariant>(p, stream);
     }
