@@ -93,9 +93,9 @@ template <typename Cfg, bool kMasked>
 struct FwdWork {
   int q_first, n_end, blocks;
   Band band;
-  __device__ static FwdTile tile_of(int tile, const FwdParams& p) {
-    return FwdTile::from(tile, (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads);
-  }
+  __device__ static int m_blocks(const FwdParams& p) { return (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM; }
+  __device__ static int tile_count(const FwdParams& p) { return m_blocks(p) * p.batch * p.heads; }
+  __device__ static FwdTile tile_of(int tile, const FwdParams& p) { return FwdTile::from(tile, m_blocks(p), p.heads); }
   __device__ static FwdWork of(int tile, const FwdParams& p) {
     const FwdTile t = tile_of(tile, p);
     FwdWork w;
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int stage = it % kStages;
       load_kv(v_full(stage), v_empty(stage), sV(stage), &maps.v, it, kv_head, key_first, batch);
     };
-    const int tiles = (p.seqlen_q + kBlockM - 1) / kBlockM * p.batch * p.heads;
+    const int tiles = Work::tile_count(p);
     int tile = blockIdx.x;
     for (int n = 0, it = 0;; ++n) {
       // Q's buffer and the tile slot are free once every consumer's last S of the previous tile
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   for (int n = 0, it = 0;; ++n) {
     ptx::mbarrier_wait(q_full, n & 1);
     const int tile = int(ptx::ld_shared_b32(tile_slot(n)));
-    if (tile >= (p.seqlen_q + kBlockM - 1) / kBlockM * p.batch * p.heads) break;
+    if (tile >= Work::tile_count(p)) break;
     const Work w = Work::of(tile, p);
     const int q_first = w.q_first, blocks = w.blocks;
     const Band& band = w.band;
