@@ -41,7 +41,8 @@ def _call_folded(fn: Callable, axis_size: int, in_batched, args, broadcast=(), s
         folded.append(_fold(x, mapped, axis_size))
     outs = []
     for j, o in enumerate(fn(*folded)):
-        o = o.reshape((axis_size, -1) + o.shape[1:])
+        # Not (axis_size, -1): an empty result ([B, 0, 0, 0], no dbias wanted) has no -1 to infer.
+        o = o.reshape((axis_size, o.shape[0] // axis_size) + o.shape[1:])
         outs.append(o.sum(1, keepdims=True) if summed.get(j) in expanded else o)
     return tuple(outs), (True,) * len(outs)
 

@@ -103,6 +103,16 @@ def test_vmap_is_one_kernel_call(kernel_calls):
     assert kernel_calls[-1][1][:3] == [(2, 24, 6, 32), (2, 24, 1, 32), (2, 24, 1, 32)]  # heads n * V
 
 
+def test_vmap_of_the_gradient_without_a_bias(kernel_calls):
+    """The backward's empty dbias result ([B, 0, 0, 0]) unfolds from the batch like the others."""
+    q, k, v = qkv(rng_for("cuda-path-vmap-grad"), jnp.bfloat16, 6, 24, 24, 2, 1, 32)
+    stacked = [x.reshape(3, 2, *x.shape[1:]) for x in (q, k, v)]
+    grad = lambda impl: jax.vmap(jax.grad(_loss(impl, {"is_causal": True}), argnums=(0, 1, 2)))  # noqa: E731
+    for mine, ref in zip(grad("cuda")(*stacked), grad("xla")(*stacked), strict=True):
+        assert mine.shape == ref.shape and reference.rel_error(mine, ref) < 2e-2
+    assert kernel_calls[-1][0] == "jax_flash_bwd" and kernel_calls[-1][1][0] == (6, 24, 2, 32)  # folded
+
+
 def test_auto_mode_takes_the_kernels_where_they_run(kernel_calls):
     q, k, v = qkv(rng_for("cuda-path-auto"), jnp.bfloat16, 2, 16, 16, 2, 2, 64)
     jax_flash.attention(q, k, v, is_causal=True, softcap=20.0)
