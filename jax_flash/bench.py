@@ -8,8 +8,11 @@ imports, FlashAttention-3's JAX binding, on the same inputs in one run.
 
 The grid is the FlashAttention papers': 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / d), bf16. FLOPs: forward 4·b·h·s²·d, halved when causal; backward 2.5x the
-forward. Each time is the median of 5 wall-clock loops of 10 calls after a warm-up; backward =
-(forward + backward) - forward. On a CPU the grid shrinks and the xla paths are compared.
+forward. Each time is the median of 5 rounds, one wall-clock loop of 10 calls of every
+implementation a round, after a warm-up (interleaved, so that clock or temperature drift during a
+run moves every column alike); backward = (forward + backward) - forward, per round. The ratio to
+the reference column is the median of the 5 rounds' ratios, with their range: a difference inside
+that range is noise. On a CPU the grid shrinks and the xla paths are compared.
 """
 
 from __future__ import annotations
@@ -74,16 +77,20 @@ def implementations(on_gpu: bool) -> dict[str, Callable]:
     return impls
 
 
-def _median_loop_seconds(fn, args, loops: int = 5, calls: int = 10) -> float:
+ROUNDS = 5
+
+
+def _loop_seconds(fn, args, calls: int = 10) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / calls
+
+
+def _median_loop_seconds(fn, args, loops: int = ROUNDS, calls: int = 10) -> float:
     jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(loops):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+    return statistics.median(_loop_seconds(fn, args, calls) for _ in range(loops))
 
 
 def fwd_and_fwd_bwd_seconds(attn: Callable, args) -> tuple[float, float]:
@@ -96,43 +103,60 @@ def fwd_and_fwd_bwd_seconds(attn: Callable, args) -> tuple[float, float]:
     return _median_loop_seconds(jax.jit(attn), tuple(args[:3])), _median_loop_seconds(jax.jit(fwd_bwd), tuple(args))
 
 
-def measure(attn: Callable, shape: Shape, dtype) -> tuple[float | None, float | None]:
-    """(forward seconds, backward seconds); None where the implementation fails on this shape."""
+def _warmed(fn: Callable, args) -> Callable | None:
+    """fn, compiled and run once; None where the implementation fails on these inputs."""
+    try:
+        jax.block_until_ready(fn(*args))
+    except Exception:  # unsupported shape or out of memory: a gap in the table, not a crash
+        return None
+    return fn
+
+
+def measure(impls: dict[str, Callable], shape: Shape, dtype, rounds: int = ROUNDS) -> dict[str, list]:
+    """name -> [(forward seconds, backward seconds) per round], every implementation timed once a
+    round on the same inputs; None where it fails on this shape."""
     keys = jax.random.split(jax.random.key(shape.seqlen * 7 + shape.head_dim), 4)
     dims = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
     q, k, v, do = (jax.random.normal(key, dims, dtype) for key in keys)
-    fwd = jax.jit(lambda q, k, v: attn(q, k, v, shape.causal))
+    compiled = {}
+    for name, attn in impls.items():
+        fwd = _warmed(jax.jit(lambda q, k, v, attn=attn: attn(q, k, v, shape.causal)), (q, k, v))
 
-    def fwd_bwd(q, k, v, do):
-        out, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, shape.causal), q, k, v)
-        return vjp(do)
+        def fwd_bwd(q, k, v, do, attn=attn):
+            _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, shape.causal), q, k, v)
+            return vjp(do)
 
-    try:
-        t_fwd = _median_loop_seconds(fwd, (q, k, v))
-    except Exception:  # unsupported shape or out of memory: a gap in the table, not a crash
-        return None, None
-    try:
-        t_both = _median_loop_seconds(jax.jit(fwd_bwd), (q, k, v, do))
-    except Exception:
-        return t_fwd, None
-    return t_fwd, max(t_both - t_fwd, 1e-9)
+        compiled[name] = (fwd, _warmed(jax.jit(fwd_bwd), (q, k, v, do)) if fwd else None)
+    samples = {name: [] for name in impls}
+    for _ in range(rounds):
+        for name, (fwd, fwd_bwd) in compiled.items():
+            t_fwd = _loop_seconds(fwd, (q, k, v)) if fwd else None
+            t_bwd = max(_loop_seconds(fwd_bwd, (q, k, v, do)) - t_fwd, 1e-9) if fwd_bwd else None
+            samples[name].append((t_fwd, t_bwd))
+    return samples
 
 
 def run(args) -> list[dict]:
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     impls = implementations(on_gpu)
+    base = "cudnn" if "cudnn" in impls else "xla"
     shapes = grid(on_gpu, args.quick, args.head_dims, args.seqlens)
     rows = []
-    progress = _progress(len(shapes) * len(impls))
+    progress = _progress(len(shapes))
     for shape in shapes:
-        for name, attn in impls.items():
-            t_fwd, t_bwd = measure(attn, shape, dtype)
-            for backward, t in ((False, t_fwd), (True, t_bwd)):
-                tflops = None if t is None else shape.flops(backward) / t / 1e12
-                rows.append({**dataclasses.asdict(shape), "pass": "bwd" if backward else "fwd",
-                             "impl": name, "seconds": t, "tflops": tflops})
-            progress(f"d={shape.head_dim} s={shape.seqlen} causal={shape.causal} {name}")
+        samples = measure(impls, shape, dtype)
+        for name, per_round in samples.items():
+            for i, pass_ in enumerate(("fwd", "bwd")):
+                times = [r[i] for r in per_round]
+                t = None if None in times else statistics.median(times)
+                tflops = None if t is None else shape.flops(pass_ == "bwd") / t / 1e12
+                ref = [r[i] for r in samples[base]]
+                # Ours against the reference, round by round (each pair timed back to back).
+                ratios = None if t is None or None in ref else [b / a for a, b in zip(times, ref)]
+                rows.append({**dataclasses.asdict(shape), "pass": pass_, "impl": name, "seconds": t,
+                             "tflops": tflops, f"vs_{base}_rounds": ratios})
+        progress(f"d={shape.head_dim} s={shape.seqlen} causal={shape.causal}")
     return rows
 
 
@@ -159,18 +183,23 @@ def _progress(total: int):
 
 def table(rows: list[dict]) -> str:
     """One line per (d, seqlen, causal, pass): TFLOP/s per implementation and our ratio to the
-    reference column (cuDNN on a GPU, jax.nn xla elsewhere)."""
+    reference column (cuDNN on a GPU, jax.nn xla elsewhere): the median of the rounds' ratios and
+    their range."""
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     base = "cudnn" if "cudnn" in impls else "xla"
-    keyed = {}
+    keyed, ratios = {}, {}
     for r in rows:
-        keyed.setdefault((r["head_dim"], r["seqlen"], r["causal"], r["pass"]), {})[r["impl"]] = r["tflops"]
-    header = f"| d | seqlen | causal | pass | {' | '.join(impls)} | jax_flash / {base} |"
+        key = (r["head_dim"], r["seqlen"], r["causal"], r["pass"])
+        keyed.setdefault(key, {})[r["impl"]] = r["tflops"]
+        if r["impl"] == "jax_flash":
+            ratios[key] = r.get(f"vs_{base}_rounds")
+    header = f"| d | seqlen | causal | pass | {' | '.join(impls)} | jax_flash / {base} (range) |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     fmt = lambda x: "—" if x is None else f"{x:.0f}" if x >= 10 else f"{x:.2f}"  # noqa: E731
-    for (d, s, causal, pass_), values in keyed.items():
-        ours, ref = values.get("jax_flash"), values.get(base)
-        ratio = f"{ours / ref:.2f}" if ours and ref else "—"
+    for key, values in keyed.items():
+        d, s, causal, pass_ = key
+        rounds = ratios.get(key)
+        ratio = f"{statistics.median(rounds):.2f} ({min(rounds):.2f}–{max(rounds):.2f})" if rounds else "—"
         cells = " | ".join(fmt(values.get(i)) for i in impls)
         lines.append(f"| {d} | {s} | {'yes' if causal else 'no'} | {pass_} | {cells} | {ratio} |")
     return "\n".join(lines)

@@ -12,6 +12,11 @@ def test_quick_benchmark_table_and_plot(tmp_path, capsys):
     assert {r["impl"] for r in rows} >= {"jax_flash", "xla"}
     assert all(r["tflops"] is not None and r["tflops"] > 0 for r in rows)
     assert "jax_flash / " in out and out.count("\n| ") >= 8  # header + 2 seqlens x 2 causal x 2 passes
+    # Our ratio to the reference, per interleaved round: the table prints its median and range.
+    ours = [r for r in rows if r["impl"] == "jax_flash"]
+    assert all(len(r["vs_xla_rounds"]) == bench.ROUNDS and min(r["vs_xla_rounds"]) > 0 for r in ours)
+    first = ours[0]["vs_xla_rounds"]
+    assert f"{min(first):.2f}–{max(first):.2f})" in out
     assert png.stat().st_size > 10_000 and js.stat().st_size > 100
 
 
