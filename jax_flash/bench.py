@@ -93,14 +93,20 @@ def _median_loop_seconds(fn, args, loops: int = ROUNDS, calls: int = 10) -> floa
     return statistics.median(_loop_seconds(fn, args, calls) for _ in range(loops))
 
 
-def fwd_and_fwd_bwd_seconds(attn: Callable, args) -> tuple[float, float]:
-    """Seconds of attn(q, k, v) and of its forward + backward (the vjp of do), args = (q, k, v, do)."""
+def _jitted_fwd_and_fwd_bwd(attn: Callable) -> tuple[Callable, Callable]:
+    """attn(q, k, v) and its forward + backward (q, k, v, do) -> the vjp of do, each jitted."""
 
     def fwd_bwd(q, k, v, do):
         _, vjp = jax.vjp(attn, q, k, v)
         return vjp(do)
 
-    return _median_loop_seconds(jax.jit(attn), tuple(args[:3])), _median_loop_seconds(jax.jit(fwd_bwd), tuple(args))
+    return jax.jit(attn), jax.jit(fwd_bwd)
+
+
+def fwd_and_fwd_bwd_seconds(attn: Callable, args) -> tuple[float, float]:
+    """Seconds of attn(q, k, v) and of its forward + backward (the vjp of do), args = (q, k, v, do)."""
+    fwd, fwd_bwd = _jitted_fwd_and_fwd_bwd(attn)
+    return _median_loop_seconds(fwd, tuple(args[:3])), _median_loop_seconds(fwd_bwd, tuple(args))
 
 
 def _warmed(fn: Callable, args) -> Callable | None:
@@ -120,13 +126,9 @@ def measure(impls: dict[str, Callable], shape: Shape, dtype, rounds: int = ROUND
     q, k, v, do = (jax.random.normal(key, dims, dtype) for key in keys)
     compiled = {}
     for name, attn in impls.items():
-        fwd = _warmed(jax.jit(lambda q, k, v, attn=attn: attn(q, k, v, shape.causal)), (q, k, v))
-
-        def fwd_bwd(q, k, v, do, attn=attn):
-            _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, shape.causal), q, k, v)
-            return vjp(do)
-
-        compiled[name] = (fwd, _warmed(jax.jit(fwd_bwd), (q, k, v, do)) if fwd else None)
+        fwd, fwd_bwd = _jitted_fwd_and_fwd_bwd(lambda q, k, v, attn=attn: attn(q, k, v, shape.causal))
+        fwd = _warmed(fwd, (q, k, v))
+        compiled[name] = (fwd, _warmed(fwd_bwd, (q, k, v, do)) if fwd else None)
     samples = {name: [] for name in impls}
     for _ in range(rounds):
         for name, (fwd, fwd_bwd) in compiled.items():
