@@ -69,7 +69,7 @@ cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
            make_tensor_map_bthd(&maps.v, p.v, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
            make_tensor_map_bthd(&maps.dk, p.dk, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, 64),
            make_tensor_map_bthd(&maps.dv, p.dv, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, 64),
-           make_tensor_map_bthd_f32(&maps.dq_accum, p.dq_accum, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
+           make_tensor_map_bthd_f32(&maps.dq_accum, p.dq_accum, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kDqRows),
        }) {
     if (e != cudaSuccess) return e;
   }

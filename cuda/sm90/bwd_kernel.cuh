@@ -16,9 +16,11 @@
 // 64 x 64 fp32 part to shared memory (two buffers) and the producer's dQ thread adds it to the fp32
 // accumulator in global memory with a TMA reduce-add (one bulk atomic per tile instead of one per
 // element pair), so the consumers never wait for the adds.
-// At H = 128 the two consumers split dQ's columns (each over all 128 keys, so the dS^T of both
-// must be in shared memory: a barrier across the two); at H = 64 each takes all columns over its
-// own 64 keys (two reduces of 16 KB instead of one barrier).
+// The two consumers split dQ (kBlockM x H) into two 64 x 64 parts, each over all 128 keys, so the
+// dS^T of both must be in shared memory (a barrier across the two): at H = 128 by columns, at
+// H = 64 (128-query steps) by rows. Each step then adds one kBlockM x H tile to global memory;
+// with each consumer's part over its own keys only, it added two, and at H = 64 those reduces
+// (64 KB a step) were the backward's heaviest traffic.
 //
 // Shared-memory tiles are the layout TMA writes with the 128-byte swizzle: 64-column panels of
 // 128-byte rows (sm90/fwd_kernel.cuh); wgmma reads them K-major or MN-major through descriptors.
@@ -49,22 +51,22 @@ struct BwdConfig {
   static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
   static_assert(kBlockM <= kStatsRowMultiple, "statistics rows are padded to whole query blocks");
   static constexpr int kStages = 2;
-  // dQ at H = 128: each consumer 64 columns over all keys (one add of 64 x 64, but a barrier for
-  // both consumers' dS^T); at H = 64 all columns over its own keys.
-  static constexpr bool kDqSplitsColumns = kHeadDim == 128;
-  // The first dQ column of a consumer's part.
-  static constexpr int dq_column0(int consumer) { return kDqSplitsColumns ? consumer * 64 : 0; }
+  // A consumer's dQ part: 64 x 64, rows first (kBlockM / 64 parts a column panel).
+  static_assert((kBlockM / 64) * (kHeadDim / 64) == kConsumers, "one 64 x 64 dQ part a consumer");
+  static constexpr int dq_row0(int consumer) { return (consumer % (kBlockM / 64)) * 64; }
+  static constexpr int dq_column0(int consumer) { return (consumer / (kBlockM / 64)) * 64; }
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one stage of Q or dO
   static constexpr int kStatBytes = kBlockM * 4;           // one stage of lse_log2 or delta
-  // dS^T: 64-query panels of 128-byte rows (keys). Two buffers where dQ reads the other
+  // dS^T: 64-query panels of 128-byte rows (keys). Two buffers, since dQ reads the other
   // consumer's rows (one step's dQ may still read one while the next step writes the other).
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
-  static constexpr int kDsBuffers = kDqSplitsColumns ? 2 : 1;
-  // A consumer's dQ part: kBlockM rows x 64 columns fp32, two 32-column panels.
-  static constexpr int kDqBytes = kBlockM * 64 * 4;
+  static constexpr int kDsBuffers = 2;
+  // A consumer's dQ part: 64 rows x 64 columns fp32, two 32-column panels.
+  static constexpr int kDqRows = 64;
+  static constexpr int kDqBytes = kDqRows * 64 * 4;
   static constexpr int kDqBuffers = kBlockM == 64 ? 2 : 1;  // per consumer, as shared memory allows
   // Offsets from the 1024-byte aligned base (the swizzle repeats every 1024 bytes).
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDo = kQ + kStages * kQBytes;
@@ -79,7 +81,7 @@ struct BwdConfig {
 };
 
 // [batch, row, head, column] views (tensor_map.h): q and dO in boxes of kBlockM rows, k and v of
-// kBlockN, dk and dv of 64 (a consumer's), the fp32 dQ accumulator of kBlockM rows x 32 columns.
+// kBlockN, dk and dv of 64 (a consumer's), the fp32 dQ accumulator of kDqRows x 32 columns.
 struct BwdTensorMaps {
   CUtensorMap q, dout, k, v, dk, dv, dq_accum;
 };
@@ -196,9 +198,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         for (int c = 0; c < Cfg::kConsumers; ++c) {
           ptx::mbarrier_wait(dq_full(c, buffer), use & 1);
           for (int panel = 0; panel < 2; ++panel) {
-            ptx::tma_reduce_add_4d(&maps.dq_accum, sDq(c, buffer) + panel * kBlockM * 128,
-                                   Cfg::dq_column0(c) + panel * 32,
-                                   step.head, step.m_block * kBlockM, batch);
+            ptx::tma_reduce_add_4d(&maps.dq_accum, sDq(c, buffer) + panel * Cfg::kDqRows * 128,
+                                   Cfg::dq_column0(c) + panel * 32, step.head,
+                                   step.m_block * kBlockM + Cfg::dq_row0(c), batch);
           }
         }
         ptx::tma_store_commit();
@@ -226,9 +228,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto accum_col = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
   const auto logits = Logits<cap_of(kVariant)>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
-  // dQ: at H = 128 this consumer's 64 columns over all keys, at H = 64 all columns over its keys.
-  constexpr int kDqKeys = Cfg::kDqSplitsColumns ? kBlockN : 64;
-  const uint32_t ds_rows0 = Cfg::kDqSplitsColumns ? 0 : consumer * 64 * 128;
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];  // m64 x H: keys x columns
 #pragma unroll
@@ -351,25 +350,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                            dsa[kk][j]);
       }
 
-    // dQ = dS K, 64 queries at a time: dS^T (keys x queries in shared memory) is A MN-major, K is
-    // B MN-major.
+    // This consumer's dQ part = dS K over all the CTA's keys: dS^T (keys x queries in shared
+    // memory) is A MN-major, K is B MN-major.
     ptx::fence_proxy_async_shared();  // the dS^T stores, before wgmma reads them
-    if constexpr (Cfg::kDqSplitsColumns) {
-      ptx::named_barrier_sync(3, kConsumerThreads);
-    } else {
-      ptx::named_barrier_sync(1 + consumer, 128);
-    }
-    float dq[kBlockM / 64][32];
+    ptx::named_barrier_sync(3, kConsumerThreads);
+    float dq[32];
     ptx::wgmma_fence();
 #pragma unroll
-    for (int mt = 0; mt < kBlockM / 64; ++mt)
-#pragma unroll
-      for (int ks = 0; ks < kDqKeys / 16; ++ks) {
-        const uint64_t desc_ds = ptx::smem_desc_sw128(ds_buffer + mt * kBlockN * 128 + ds_rows0 + ks * 2048, 0);
-        const uint64_t desc_k =
-            ptx::smem_desc_sw128(sK + (Cfg::dq_column0(consumer) / 64) * kBlockN * 128 + ds_rows0 + ks * 2048, 0);
-        ptx::wgmma_ss<1, 1>(dq[mt], desc_ds, desc_k, ks > 0, T{});
-      }
+    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+      const uint64_t desc_ds =
+          ptx::smem_desc_sw128(ds_buffer + (Cfg::dq_row0(consumer) / 64) * kBlockN * 128 + ks * 2048, 0);
+      const uint64_t desc_k =
+          ptx::smem_desc_sw128(sK + (Cfg::dq_column0(consumer) / 64) * kBlockN * 128 + ks * 2048, 0);
+      ptx::wgmma_ss<1, 1>(dq, desc_ds, desc_k, ks > 0, T{});
+    }
     ptx::wgmma_commit();
 
     // dK += dS^T Q.
@@ -378,8 +372,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::wgmma_wait<1>();
     ptx::fence_registers(dv);
     ptx::fence_registers(pa);
-#pragma unroll
-    for (int mt = 0; mt < kBlockM / 64; ++mt) ptx::fence_registers(dq[mt]);
+    ptx::fence_registers(dq);
 
     // dQ to shared memory (two 32-column panels, swizzled as the fp32 tensor map expects), for the
     // producer's dQ thread to add.
@@ -387,14 +380,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (dq_use > 0) ptx::mbarrier_wait(dq_empty(consumer, dq_buffer), (dq_use - 1) & 1);
     const uint32_t sDq_part = sDq(consumer, dq_buffer);
 #pragma unroll
-    for (int mt = 0; mt < kBlockM / 64; ++mt)
-#pragma unroll
-      for (int i = 0; i < 32; i += 2) {
-        const int row = mt * 64 + warp * 16 + accum_row(i), col = accum_col(i);
-        const uint32_t addr =
-            sDq_part + (col / 32) * kBlockM * 128 + ptx::sw128_offset(row, (col % 32) / 4) + (col % 4) * 4;
-        ptx::st_shared_f32x2(addr, dq[mt][i], dq[mt][i + 1]);
-      }
+    for (int i = 0; i < 32; i += 2) {
+      const int row = warp * 16 + accum_row(i), col = accum_col(i);
+      const uint32_t addr =
+          sDq_part + (col / 32) * Cfg::kDqRows * 128 + ptx::sw128_offset(row, (col % 32) / 4) + (col % 4) * 4;
+      ptx::st_shared_f32x2(addr, dq[i], dq[i + 1]);
+    }
     ptx::fence_proxy_async_shared();
     ptx::mbarrier_arrive(dq_full(consumer, dq_buffer));
 
