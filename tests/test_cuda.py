@@ -78,6 +78,15 @@ def test_head_dims_and_dtypes(dtype, h, is_causal):
     check(dtype, 2, 129, 300, 4, 2, h, is_causal=is_causal)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("kw", [{}, dict(is_causal=True), dict(local_window_size=(100, 30))])
+def test_wgmma_backward_at_256_when_opted_in(monkeypatch, dtype, kw):
+    """The d = 256 wgmma backward (cuda/sm90/bwd_wide_kernel.cuh), taken only with
+    JAX_FLASH_SM90_BWD_HDIM256=1 until it has passed on a GPU: GQA, T != S, tails, bands."""
+    monkeypatch.setenv("JAX_FLASH_SM90_BWD_HDIM256", "1")
+    check(dtype, 2, 129, 300, 4, 2, 256, **kw)
+
+
 @pytest.mark.parametrize("t,s", [(1, 1), (7, 7), (129, 129), (1000, 1000), (4097, 4097),
                                  (1, 4097), (4097, 129), (7, 1000)])
 @pytest.mark.parametrize("is_causal", [False, True])

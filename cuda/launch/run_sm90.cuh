@@ -11,6 +11,7 @@
 #include "launch/allow_smem.h"
 #include "launch/tensor_map.h"
 #include "sm90/bwd_kernel.cuh"
+#include "sm90/bwd_wide_kernel.cuh"
 #include "sm90/fwd_kernel.cuh"
 
 namespace jax_flash {
@@ -57,9 +58,12 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim>, kVariant>(p, stream);
 }
 
-template <typename T, int kHeadDim, Variant kVariant>
-cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
-  using Cfg = sm90::BwdConfig<T, kHeadDim>;
+// Cfg: BwdConfig (bwd_kernel) or, at H = 256, BwdWideConfig (bwd_wide_kernel, which adds dQ with
+// red.global.add and reads no dq_accum map).
+template <typename Cfg, typename Kernel>
+cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream, Kernel kernel) {
+  using T = typename Cfg::T;
+  constexpr int kHeadDim = Cfg::kHeadDim;
   if (cudaError_t e = launch_bwd_preprocess<T, kHeadDim>(p, stream); e != cudaSuccess) return e;
   sm90::BwdTensorMaps maps;
   for (cudaError_t e : {
@@ -69,15 +73,26 @@ cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
            make_tensor_map_bthd(&maps.v, p.v, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
            make_tensor_map_bthd(&maps.dk, p.dk, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, 64),
            make_tensor_map_bthd(&maps.dv, p.dv, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, 64),
-           make_tensor_map_bthd_f32(&maps.dq_accum, p.dq_accum, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kDqRows),
+           make_tensor_map_bthd_f32(&maps.dq_accum, p.dq_accum, p.batch, p.seqlen_q, p.heads, kHeadDim, 64),
        }) {
     if (e != cudaSuccess) return e;
   }
-  auto kernel = sm90::bwd_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
   return cudaGetLastError();
+}
+
+template <typename T, int kHeadDim, Variant kVariant>
+cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
+  if constexpr (kHeadDim == 256) {
+    using Cfg = sm90::BwdWideConfig<T>;
+    return launch_bwd_sm90<Cfg>(p, stream, sm90::bwd_wide_kernel<Cfg, kVariant>);
+  } else {
+    using Cfg = sm90::BwdConfig<T, kHeadDim>;
+    static_assert(Cfg::kDqRows == 64, "the dq_accum map's box");
+    return launch_bwd_sm90<Cfg>(p, stream, sm90::bwd_kernel<Cfg, kVariant>);
+  }
 }
 
 }  // namespace jax_flash

@@ -1,0 +1,304 @@
+// FlashAttention backward on Hopper for head dim 256 (sm_90a): TMA, mbarriers, wgmma.
+//
+// bwd_kernel.cuh keeps dK and dV of its keys as m64 x H accumulators (keys as rows); at H = 256
+// they would take 256 registers a thread. Here the head dim is the row side of those products:
+//   dV^T += dO^T P    and    dK^T += Q^T dS      (H x keys: the consumers split the 256 rows)
+// so each of the two consumer warp groups keeps 128 rows (two m64 tiles) of dV^T and of dK^T over
+// the CTA's 64 keys: 64 + 64 registers. A CTA owns kBlockN = 64 keys of one kv head and walks the
+// query blocks that see them (common/bwd_walk.cuh), 64 queries a step, as bwd_kernel.cuh does.
+// Per step:
+//   consumer 0:  S  = Q K^T,  P = exp2(S * scale * log2 e - lse_log2)  ->  shared memory
+//   consumer 1:  dP = dO V^T, dS = P (dP - delta) * scale              ->  shared memory
+//   both:        their rows of dV^T and dK^T (dO^T, Q^T read transposed; P, dS as B operands)
+//                and their 128 columns of dQ = dS K, added to the fp32 accumulator in global
+//                memory with red.global.add (no shared memory left for a TMA-reduce buffer).
+// Named barriers order the hand-offs: kPReady (P stored), kDsReady (dS stored), kStepDone (both
+// consumers' products of the step complete, so P and dS may be overwritten).
+// Deterministic dQ (BwdParams::dq_turns), the soft cap and the bias run the sm80 kernel at this
+// head dim (dispatch.cu).
+#pragma once
+
+#include <cuda.h>
+
+#include <cmath>
+
+#include "common/bwd_walk.cuh"
+#include "common/mask.cuh"
+#include "common/params.h"
+#include "common/ptx.cuh"
+#include "common/ptx_sm90.cuh"
+#include "sm90/bwd_kernel.cuh"  // BwdTensorMaps
+
+namespace jax_flash::sm90 {
+
+template <typename T_>
+struct BwdWideConfig {
+  using T = T_;
+  static constexpr int kHeadDim = 256;
+  static constexpr int kConsumers = 2;  // warp groups of 128 head-dim rows
+  static constexpr int kBlockN = 64;    // keys a CTA
+  static constexpr int kBlockM = 64;    // queries a step
+  static_assert(kBlockM <= kStatsRowMultiple, "statistics rows are padded to whole query blocks");
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kPanels = kHeadDim / 64;            // 64-column panels of 128-byte rows
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one stage of Q or dO
+  static constexpr int kTileBytes = kBlockM * kBlockN * 2;  // P or dS: [query][key], one panel
+  static constexpr int kStatBytes = kBlockM * 4;
+  static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDo = kQ + kStages * kQBytes;
+  static constexpr int kP = kDo + kStages * kQBytes, kDs = kP + kTileBytes;
+  static constexpr int kLse = kDs + kTileBytes, kDelta = kLse + kStages * kStatBytes;
+  static constexpr int kBarriers = kDelta + kStages * kStatBytes;
+  static constexpr int kSmemBytes = kBarriers + 8 * (1 + 4 * kStages) + 1024;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+};
+
+template <typename Cfg, Variant kVariant>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    bwd_wide_kernel(const __grid_constant__ BwdTensorMaps maps, const BwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = typename Cfg::T;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  constexpr int kStages = Cfg::kStages;
+  constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
+  constexpr float kLog2e = 1.4426950408889634f;
+  static_assert(kVariant == Variant::kPlain || kVariant == Variant::kMasked, "no cap or bias at d = 256");
+  constexpr bool kMasked = kVariant == Variant::kMasked;
+  enum : int { kPReady = 1, kDsReady = 2, kStepDone = 3, kEpilogue = 4 };  // named barriers (+ consumer)
+
+  extern __shared__ char smem[];
+  const uint32_t align = (1024 - (ptx::smem_addr(smem) & 1023)) & 1023;
+  char* const base = smem + align;
+  const uint32_t base_addr = ptx::smem_addr(smem) + align;
+  const uint32_t sK = base_addr + Cfg::kK, sV = base_addr + Cfg::kV;
+  const uint32_t sP = base_addr + Cfg::kP, sDs = base_addr + Cfg::kDs;
+  auto sQ = [&](int stage) { return base_addr + Cfg::kQ + stage * Cfg::kQBytes; };
+  auto sDo = [&](int stage) { return base_addr + Cfg::kDo + stage * Cfg::kQBytes; };
+  auto stat = [&](int offset, int stage, int row) {
+    return reinterpret_cast<const float*>(base + offset + stage * Cfg::kStatBytes)[row];
+  };
+  const uint32_t bars = base_addr + Cfg::kBarriers;
+  const uint32_t kv_full = bars;
+  auto q_full = [&](int stage) { return bars + 8 * (1 + stage); };
+  auto do_full = [&](int stage) { return bars + 8 * (1 + kStages + stage); };
+  auto q_empty = [&](int stage) { return bars + 8 * (1 + 2 * kStages + stage); };
+  auto do_empty = [&](int stage) { return bars + 8 * (1 + 3 * kStages + stage); };
+
+  const int n_block = blockIdx.x;
+  const int batch = blockIdx.y / p.kv_heads, kv_head = blockIdx.y % p.kv_heads;
+  const int group = p.heads / p.kv_heads;
+  const int k_first = n_block * kBlockN;
+  const Band band = Band::from<kMasked>(p, batch);
+  const BwdWalk walk = BwdWalk::make(band, k_first, k_first + kBlockN - 1, kBlockM, group);
+
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(kv_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(q_full(s), 1);
+      ptx::mbarrier_init(do_full(s), 1);
+      ptx::mbarrier_init(q_empty(s), kConsumerThreads);
+      ptx::mbarrier_init(do_empty(s), kConsumerThreads);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warp_group = threadIdx.x / 128;
+  if (warp_group == 0) {
+    // Producer: K and V once, then each step's Q, dO, lse and delta (as bwd_kernel.cuh).
+    ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (threadIdx.x == 0 && walk.steps > 0) {
+      ptx::mbarrier_arrive_expect_tx(kv_full, 2 * Cfg::kKVBytes);
+      for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+        ptx::tma_load_4d(sK + panel * kBlockN * 128, &maps.k, kv_full, panel * 64, kv_head, k_first, batch);
+        ptx::tma_load_4d(sV + panel * kBlockN * 128, &maps.v, kv_full, panel * 64, kv_head, k_first, batch);
+      }
+      BwdStep step = BwdStep::first(walk, kv_head * group);
+      for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
+        const int stage = s % kStages, use = s / kStages;
+        const int q_first = step.m_block * kBlockM;
+        const int64_t stats = (int64_t(batch) * p.heads + step.head) * p.stats_stride + q_first;
+        if (use > 0) ptx::mbarrier_wait(q_empty(stage), (use - 1) & 1);
+        ptx::mbarrier_arrive_expect_tx(q_full(stage), Cfg::kQBytes + Cfg::kStatBytes);
+        for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+          ptx::tma_load_4d(sQ(stage) + panel * kBlockM * 128, &maps.q, q_full(stage), panel * 64, step.head,
+                           q_first, batch);
+        }
+        ptx::bulk_load(base_addr + Cfg::kLse + stage * Cfg::kStatBytes, p.lse_log2 + stats, Cfg::kStatBytes,
+                       q_full(stage));
+        if (use > 0) ptx::mbarrier_wait(do_empty(stage), (use - 1) & 1);
+        ptx::mbarrier_arrive_expect_tx(do_full(stage), Cfg::kQBytes + Cfg::kStatBytes);
+        for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+          ptx::tma_load_4d(sDo(stage) + panel * kBlockM * 128, &maps.dout, do_full(stage), panel * 64,
+                           step.head, q_first, batch);
+        }
+        ptx::bulk_load(base_addr + Cfg::kDelta + stage * Cfg::kStatBytes, p.delta + stats, Cfg::kStatBytes,
+                       do_full(stage));
+      }
+    }
+    return;
+  }
+
+  ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int consumer = warp_group - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  // Accumulator element i of an m64nN tile: row warp * 16 + accum_row(i), column accum_col(i).
+  auto accum_row = [&](int i) { return warp * 16 + ((i % 4) / 2) * 8 + lane / 4; };
+  auto accum_col = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
+  // Elements i, i + 1 (one row, two adjacent keys) of P or dS in its [query][key] tile.
+  auto tile_offset = [&](int i) {
+    return ptx::sw128_offset(accum_row(i), accum_col(i) / 8) + (accum_col(i) % 8) * 2;
+  };
+  const float scale_log2 = p.scale * kLog2e;
+  const int row0 = consumer * 128;  // this consumer's rows of dV^T and dK^T (head-dim columns)
+
+  float dvt[2][32], dkt[2][32];  // two m64 tiles of head-dim rows x 64 keys
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dvt[mt][i] = dkt[mt][i] = 0.f;
+
+  // acc[mt] += X^T B over the step's queries: X (Q or dO, [query][column] panels) read MN-major as
+  // A, B (P or dS, [query][key]) MN-major: queries are the k16 steps.
+  auto issue_transposed_products = [&](float (&acc)[2][32], uint32_t x, uint32_t b) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int ks = 0; ks < kBlockM / 16; ++ks) {
+        const uint32_t panel = x + ((row0 + mt * 64) / 64) * kBlockM * 128;
+        ptx::wgmma_ss<1, 1>(acc[mt], ptx::smem_desc_sw128(panel + ks * 2048, 0),
+                            ptx::smem_desc_sw128(b + ks * 2048, 0), true, T{});
+      }
+    ptx::wgmma_commit();
+  };
+
+  if (walk.steps > 0) ptx::mbarrier_wait(kv_full, 0);
+  BwdStep step = BwdStep::first(walk, kv_head * group);
+  for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
+    const int stage = s % kStages, phase = (s / kStages) & 1;
+    const int q_first = step.m_block * kBlockM;
+    // S = Q K^T (consumer 0) or dP = dO V^T (consumer 1): queries x keys, k16 steps along the
+    // head dim, both operands K-major.
+    float acc[32];
+    const uint32_t rows = consumer == 0 ? sQ(stage) : sDo(stage), keys = consumer == 0 ? sK : sV;
+    ptx::mbarrier_wait(consumer == 0 ? q_full(stage) : do_full(stage), phase);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const uint32_t off_q = (ks / 4) * kBlockM * 128 + (ks % 4) * 32, off_k = (ks / 4) * kBlockN * 128 + (ks % 4) * 32;
+      ptx::wgmma_ss(acc, ptx::smem_desc_sw128(rows + off_q, 0), ptx::smem_desc_sw128(keys + off_k, 0), ks > 0, T{});
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::fence_registers(acc);
+
+    if (consumer == 0) {
+      // P, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
+      if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int q = q_first + accum_row(2 * h);
+          const Range seen = band.keys_seen_by(q);
+#pragma unroll
+          for (int i = 0; i < 32; ++i) {
+            if ((i % 4) / 2 != h) continue;
+            const int k = k_first + accum_col(i);
+            if (k < seen.begin || k >= seen.end || !band.same_segment(q, k)) acc[i] = -INFINITY;
+          }
+        }
+      }
+      const float lse[2] = {stat(Cfg::kLse, stage, accum_row(0)), stat(Cfg::kLse, stage, accum_row(2))};
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) {
+        const float l = lse[(i % 4) / 2];
+        ptx::st_shared_b32(sP + tile_offset(i), ptx::pack2<T>(ptx::exp2(acc[i] * scale_log2 - l),
+                                                              ptx::exp2(acc[i + 1] * scale_log2 - l)));
+      }
+      ptx::fence_proxy_async_shared();  // the P stores, before wgmma reads them
+      ptx::named_barrier_sync(kPReady, kConsumerThreads);
+      ptx::mbarrier_wait(do_full(stage), phase);
+    } else {
+      ptx::named_barrier_sync(kPReady, kConsumerThreads);
+      // dS = P (dP - delta) * scale, from the 16-bit P (the precision dV uses).
+      const float delta[2] = {stat(Cfg::kDelta, stage, accum_row(0)), stat(Cfg::kDelta, stage, accum_row(2))};
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) {
+        const float d = delta[(i % 4) / 2];
+        const float2 prob = ptx::unpack2<T>(ptx::ld_shared_b32(sP + tile_offset(i)));
+        ptx::st_shared_b32(sDs + tile_offset(i), ptx::pack2<T>(prob.x * (acc[i] - d) * p.scale,
+                                                               prob.y * (acc[i + 1] - d) * p.scale));
+      }
+      ptx::fence_proxy_async_shared();
+      ptx::mbarrier_wait(q_full(stage), phase);
+    }
+    // dV^T += dO^T P, then (once dS is in) dK^T += Q^T dS.
+    ptx::wgmma_fence();
+    issue_transposed_products(dvt, sDo(stage), sP);
+    ptx::named_barrier_sync(kDsReady, kConsumerThreads);
+    issue_transposed_products(dkt, sQ(stage), sDs);
+
+    // This consumer's 128 columns of dQ = dS K, 64 at a time: dS K-major as A, K MN-major as B.
+#pragma unroll 1
+    for (int chunk = 0; chunk < 2; ++chunk) {
+      const int col0 = row0 + chunk * 64;
+      float dq[32];
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        ptx::wgmma_ss<0, 1>(dq, ptx::smem_desc_sw128(sDs + ks * 32, 0),
+                            ptx::smem_desc_sw128(sK + (col0 / 64) * kBlockN * 128 + ks * 2048, 0), ks > 0, T{});
+      }
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+      ptx::fence_registers(dq);
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) {
+        const int q = q_first + accum_row(i);
+        if (q < p.seqlen_q) {
+          float* dst = p.dq_accum + ((int64_t(batch) * p.seqlen_q + q) * p.heads + step.head) * kHeadDim + col0 +
+                       accum_col(i);
+          ptx::red_add_f32x2(dst, dq[i], dq[i + 1]);
+        }
+      }
+    }
+    ptx::wgmma_wait<0>();
+    ptx::fence_registers(dvt[0]);
+    ptx::fence_registers(dvt[1]);
+    ptx::fence_registers(dkt[0]);
+    ptx::fence_registers(dkt[1]);
+    ptx::mbarrier_arrive(q_empty(stage));
+    ptx::mbarrier_arrive(do_empty(stage));
+    // P and dS are read by both consumers' products: both complete before the next step's stores.
+    ptx::named_barrier_sync(kStepDone, kConsumerThreads);
+  }
+
+  // Epilogue: dK^T and dV^T transposed into this consumer's column panels of the K and V tiles
+  // ([key][column], as the dk and dv tensor maps expect; the last step's barrier, or no step at
+  // all, leaves K and V unread), then TMA stores, which clip rows past seqlen_k.
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int column = row0 + mt * 64 + accum_row(i), key = accum_col(i);
+      const uint32_t off = (column / 64) * kBlockN * 128 + ptx::sw128_offset(key, (column % 64) / 8) + (column % 8) * 2;
+      ptx::st_shared_b16(sK + off, ptx::pack2<T>(dkt[mt][i], 0.f) & 0xffff);
+      ptx::st_shared_b16(sV + off, ptx::pack2<T>(dvt[mt][i], 0.f) & 0xffff);
+    }
+  ptx::fence_proxy_async_shared();
+  ptx::named_barrier_sync(kEpilogue + consumer, 128);
+  if (tid == 0) {
+    for (int panel = row0 / 64; panel < (row0 + 128) / 64; ++panel) {
+      const uint32_t off = panel * kBlockN * 128;
+      ptx::tma_store_4d(&maps.dk, sK + off, panel * 64, kv_head, k_first, batch);
+      ptx::tma_store_4d(&maps.dv, sV + off, panel * 64, kv_head, k_first, batch);
+    }
+    ptx::tma_store_commit();
+    ptx::tma_store_wait_read();
+  }
+#endif
+}
+
+}  // namespace jax_flash::sm90
