@@ -36,6 +36,7 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "sm90/bwd_stages.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -80,12 +81,6 @@ struct BwdConfig {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
-// [batch, row, head, column] views (tensor_map.h): q and dO in boxes of kBlockM rows, k and v of
-// kBlockN, dk and dv of 64 (a consumer's), the fp32 dQ accumulator of kDqRows x 32 columns.
-struct BwdTensorMaps {
-  CUtensorMap q, dout, k, v, dk, dv, dq_accum;
-};
-
 // kVariant (params.h): which of the masks (mask.cuh) and the soft cap (logits.cuh) are read.
 template <typename Cfg, Variant kVariant>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
@@ -109,19 +104,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto sDs = [&](int s) { return base_addr + Cfg::kDs + (s % Cfg::kDsBuffers) * Cfg::kDsBytes; };
   auto sLse = [&](int stage) { return base_addr + Cfg::kLse + stage * Cfg::kStatBytes; };
   auto sDelta = [&](int stage) { return base_addr + Cfg::kDelta + stage * Cfg::kStatBytes; };
-  const uint32_t bars = base_addr + Cfg::kBarriers;
-  const uint32_t kv_full = bars;
-  auto q_full = [&](int stage) { return bars + 8 * (1 + stage); };
-  auto do_full = [&](int stage) { return bars + 8 * (1 + kStages + stage); };
-  auto q_empty = [&](int stage) { return bars + 8 * (1 + 2 * kStages + stage); };
-  auto do_empty = [&](int stage) { return bars + 8 * (1 + 3 * kStages + stage); };
+  const BwdBarriers<kStages> barriers{base_addr + Cfg::kBarriers};
+  const uint32_t bars = barriers.first + 8 * BwdBarriers<kStages>::kCount;  // then the dQ parts'
   // dQ part buffers: "full" when a consumer has written one, "empty" when its add has read it.
   constexpr int kDqSlots = Cfg::kConsumers * Cfg::kDqBuffers;
   auto dq_full = [&](int consumer, int buffer) {
-    return bars + 8 * (1 + 4 * kStages + consumer * Cfg::kDqBuffers + buffer);
+    return bars + 8 * (consumer * Cfg::kDqBuffers + buffer);
   };
   auto dq_empty = [&](int consumer, int buffer) {
-    return bars + 8 * (1 + 4 * kStages + kDqSlots + consumer * Cfg::kDqBuffers + buffer);
+    return bars + 8 * (kDqSlots + consumer * Cfg::kDqBuffers + buffer);
   };
   auto sDq = [&](int consumer, int buffer) {
     return base_addr + Cfg::kDq + (consumer * Cfg::kDqBuffers + buffer) * Cfg::kDqBytes;
@@ -136,13 +127,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                                      kBlockM, group);
 
   if (threadIdx.x == 0) {
-    ptx::mbarrier_init(kv_full, 1);
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(q_full(s), 1);
-      ptx::mbarrier_init(do_full(s), 1);
-      ptx::mbarrier_init(q_empty(s), kConsumerThreads);
-      ptx::mbarrier_init(do_empty(s), kConsumerThreads);
-    }
+    barriers.init(kConsumerThreads);
     for (int c = 0; c < Cfg::kConsumers; ++c)
       for (int b = 0; b < Cfg::kDqBuffers; ++b) {
         ptx::mbarrier_init(dq_full(c, b), 128);
@@ -154,34 +139,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   const int warp_group = threadIdx.x / 128;
   if (warp_group == 0) {
-    // Producer. The n-th use of a stage waits for the consumers' release of use n - 1.
+    // Producer: one thread copies the stages (bwd_stages.cuh), another adds the dQ parts.
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x == 0 && walk.steps > 0) {
-      ptx::mbarrier_arrive_expect_tx(kv_full, 2 * Cfg::kKVBytes);
-      for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-        ptx::tma_load_4d(sK + panel * kBlockN * 128, &maps.k, kv_full, panel * 64, kv_head, k_first, batch);
-        ptx::tma_load_4d(sV + panel * kBlockN * 128, &maps.v, kv_full, panel * 64, kv_head, k_first, batch);
-      }
-      BwdStep step = BwdStep::first(walk, kv_head * group);
-      for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
-        const int stage = s % kStages, use = s / kStages;
-        const int q_first = step.m_block * kBlockM;
-        const int64_t stats = (int64_t(batch) * p.heads + step.head) * p.stats_stride + q_first;
-        if (use > 0) ptx::mbarrier_wait(q_empty(stage), (use - 1) & 1);
-        ptx::mbarrier_arrive_expect_tx(q_full(stage), Cfg::kQBytes + Cfg::kStatBytes);
-        for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-          ptx::tma_load_4d(sQ(stage) + panel * kBlockM * 128, &maps.q, q_full(stage), panel * 64, step.head,
-                           q_first, batch);
-        }
-        ptx::bulk_load(sLse(stage), p.lse_log2 + stats, Cfg::kStatBytes, q_full(stage));
-        if (use > 0) ptx::mbarrier_wait(do_empty(stage), (use - 1) & 1);
-        ptx::mbarrier_arrive_expect_tx(do_full(stage), Cfg::kQBytes + Cfg::kStatBytes);
-        for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-          ptx::tma_load_4d(sDo(stage) + panel * kBlockM * 128, &maps.dout, do_full(stage), panel * 64,
-                           step.head, q_first, batch);
-        }
-        ptx::bulk_load(sDelta(stage), p.delta + stats, Cfg::kStatBytes, do_full(stage));
-      }
+      produce_bwd_stages<Cfg>(maps, p, walk, barriers, base_addr, batch, kv_head, k_first);
     } else if (threadIdx.x == 32) {
       // The dQ adds, in the consumers' order; TMA clips rows past seqlen_q. In deterministic mode
       // each waits for the turn of this key block (common/bwd_walk.cuh) and is complete before
@@ -260,15 +221,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::wgmma_commit();
   };
 
-  if (walk.steps > 0) ptx::mbarrier_wait(kv_full, 0);
+  if (walk.steps > 0) ptx::mbarrier_wait(barriers.kv_full(), 0);
   BwdStep step = BwdStep::first(walk, kv_head * group);
   for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
     const int stage = s % kStages;
     const int q_first = step.m_block * kBlockM;
     const uint32_t ds_buffer = sDs(s);
     float st[kSRegs], dpt[kSRegs];
-    issue_transposed(st, sK, sQ(stage), q_full(stage), s);
-    issue_transposed(dpt, sV, sDo(stage), do_full(stage), s);
+    issue_transposed(st, sK, sQ(stage), barriers.q_full(stage), s);
+    issue_transposed(dpt, sV, sDo(stage), barriers.do_full(stage), s);
     // This thread's columns' statistics (two adjacent queries per n8 tile), read while the
     // products run: stats(stage base)[n] = values of columns accum_col(4 n), accum_col(4 n) + 1.
     auto stats_of_tile = [&](uint32_t stats, int n) {
@@ -392,8 +353,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::wgmma_wait<0>();
     ptx::fence_registers(dk);
     ptx::fence_registers(dsa);
-    ptx::mbarrier_arrive(q_empty(stage));
-    ptx::mbarrier_arrive(do_empty(stage));
+    ptx::mbarrier_arrive(barriers.q_empty(stage));
+    ptx::mbarrier_arrive(barriers.do_empty(stage));
   }
 
   // Epilogue: dK and dV as T into this consumer's rows of the K and V tiles (once both consumers

@@ -27,7 +27,7 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
-#include "sm90/bwd_kernel.cuh"  // BwdTensorMaps
+#include "sm90/bwd_stages.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -80,12 +80,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto stat = [&](int offset, int stage, int row) {
     return reinterpret_cast<const float*>(base + offset + stage * Cfg::kStatBytes)[row];
   };
-  const uint32_t bars = base_addr + Cfg::kBarriers;
-  const uint32_t kv_full = bars;
-  auto q_full = [&](int stage) { return bars + 8 * (1 + stage); };
-  auto do_full = [&](int stage) { return bars + 8 * (1 + kStages + stage); };
-  auto q_empty = [&](int stage) { return bars + 8 * (1 + 2 * kStages + stage); };
-  auto do_empty = [&](int stage) { return bars + 8 * (1 + 3 * kStages + stage); };
+  const BwdBarriers<kStages> barriers{base_addr + Cfg::kBarriers};
 
   const int n_block = blockIdx.x;
   const int batch = blockIdx.y / p.kv_heads, kv_head = blockIdx.y % p.kv_heads;
@@ -95,49 +90,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const BwdWalk walk = BwdWalk::make(band, k_first, k_first + kBlockN - 1, kBlockM, group);
 
   if (threadIdx.x == 0) {
-    ptx::mbarrier_init(kv_full, 1);
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(q_full(s), 1);
-      ptx::mbarrier_init(do_full(s), 1);
-      ptx::mbarrier_init(q_empty(s), kConsumerThreads);
-      ptx::mbarrier_init(do_empty(s), kConsumerThreads);
-    }
+    barriers.init(kConsumerThreads);
     ptx::fence_barrier_init();
   }
   __syncthreads();
 
   const int warp_group = threadIdx.x / 128;
   if (warp_group == 0) {
-    // Producer: K and V once, then each step's Q, dO, lse and delta (as bwd_kernel.cuh).
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x == 0 && walk.steps > 0) {
-      ptx::mbarrier_arrive_expect_tx(kv_full, 2 * Cfg::kKVBytes);
-      for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-        ptx::tma_load_4d(sK + panel * kBlockN * 128, &maps.k, kv_full, panel * 64, kv_head, k_first, batch);
-        ptx::tma_load_4d(sV + panel * kBlockN * 128, &maps.v, kv_full, panel * 64, kv_head, k_first, batch);
-      }
-      BwdStep step = BwdStep::first(walk, kv_head * group);
-      for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
-        const int stage = s % kStages, use = s / kStages;
-        const int q_first = step.m_block * kBlockM;
-        const int64_t stats = (int64_t(batch) * p.heads + step.head) * p.stats_stride + q_first;
-        if (use > 0) ptx::mbarrier_wait(q_empty(stage), (use - 1) & 1);
-        ptx::mbarrier_arrive_expect_tx(q_full(stage), Cfg::kQBytes + Cfg::kStatBytes);
-        for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-          ptx::tma_load_4d(sQ(stage) + panel * kBlockM * 128, &maps.q, q_full(stage), panel * 64, step.head,
-                           q_first, batch);
-        }
-        ptx::bulk_load(base_addr + Cfg::kLse + stage * Cfg::kStatBytes, p.lse_log2 + stats, Cfg::kStatBytes,
-                       q_full(stage));
-        if (use > 0) ptx::mbarrier_wait(do_empty(stage), (use - 1) & 1);
-        ptx::mbarrier_arrive_expect_tx(do_full(stage), Cfg::kQBytes + Cfg::kStatBytes);
-        for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-          ptx::tma_load_4d(sDo(stage) + panel * kBlockM * 128, &maps.dout, do_full(stage), panel * 64,
-                           step.head, q_first, batch);
-        }
-        ptx::bulk_load(base_addr + Cfg::kDelta + stage * Cfg::kStatBytes, p.delta + stats, Cfg::kStatBytes,
-                       do_full(stage));
-      }
+      produce_bwd_stages<Cfg>(maps, p, walk, barriers, base_addr, batch, kv_head, k_first);
     }
     return;
   }
@@ -175,7 +137,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::wgmma_commit();
   };
 
-  if (walk.steps > 0) ptx::mbarrier_wait(kv_full, 0);
+  if (walk.steps > 0) ptx::mbarrier_wait(barriers.kv_full(), 0);
   BwdStep step = BwdStep::first(walk, kv_head * group);
   for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
     const int stage = s % kStages, phase = (s / kStages) & 1;
@@ -184,7 +146,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // head dim, both operands K-major.
     float acc[32];
     const uint32_t rows = consumer == 0 ? sQ(stage) : sDo(stage), keys = consumer == 0 ? sK : sV;
-    ptx::mbarrier_wait(consumer == 0 ? q_full(stage) : do_full(stage), phase);
+    ptx::mbarrier_wait(consumer == 0 ? barriers.q_full(stage) : barriers.do_full(stage), phase);
     ptx::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
@@ -219,7 +181,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       ptx::fence_proxy_async_shared();  // the P stores, before wgmma reads them
       ptx::named_barrier_sync(kPReady, kConsumerThreads);
-      ptx::mbarrier_wait(do_full(stage), phase);
+      ptx::mbarrier_wait(barriers.do_full(stage), phase);
     } else {
       ptx::named_barrier_sync(kPReady, kConsumerThreads);
       // dS = P (dP - delta) * scale, from the 16-bit P (the precision dV uses).
@@ -232,7 +194,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                                                                prob.y * (acc[i + 1] - d) * p.scale));
       }
       ptx::fence_proxy_async_shared();
-      ptx::mbarrier_wait(q_full(stage), phase);
+      ptx::mbarrier_wait(barriers.q_full(stage), phase);
     }
     // dV^T += dO^T P, then (once dS is in) dK^T += Q^T dS.
     ptx::wgmma_fence();
@@ -269,8 +231,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::fence_registers(dvt[1]);
     ptx::fence_registers(dkt[0]);
     ptx::fence_registers(dkt[1]);
-    ptx::mbarrier_arrive(q_empty(stage));
-    ptx::mbarrier_arrive(do_empty(stage));
+    ptx::mbarrier_arrive(barriers.q_empty(stage));
+    ptx::mbarrier_arrive(barriers.do_empty(stage));
     // P and dS are read by both consumers' products: both complete before the next step's stores.
     ptx::named_barrier_sync(kStepDone, kConsumerThreads);
   }

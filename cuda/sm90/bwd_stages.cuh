@@ -1,0 +1,88 @@
+// What the two sm90 backward kernels (bwd_kernel.cuh, bwd_wide_kernel.cuh) share: their first
+// mbarriers and the producer thread that fills the shared-memory stages through them. K and V of
+// the CTA's keys are copied once; each step's Q with its lse_log2 rows and dO with its delta rows
+// go into one of Cfg::kStages stages.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "common/bwd_walk.cuh"
+#include "common/params.h"
+#include "common/ptx.cuh"
+#include "common/ptx_sm90.cuh"
+
+namespace jax_flash::sm90 {
+
+// [batch, row, head, column] views (tensor_map.h): q and dO in boxes of kBlockM rows, k and v of
+// kBlockN, dk and dv of 64 (a consumer's), the fp32 dQ accumulator of 64 rows x 32 columns.
+struct BwdTensorMaps {
+  CUtensorMap q, dout, k, v, dk, dv, dq_accum;
+};
+
+// 8-byte mbarriers from `first`: K and V loaded, then per stage Q (+ lse) and dO (+ delta)
+// loaded ("full", one arrival and the bytes) and released by every consumer thread ("empty").
+template <int kStages>
+struct BwdBarriers {
+  static constexpr int kCount = 1 + 4 * kStages;
+  uint32_t first;
+  __device__ uint32_t kv_full() const { return first; }
+  __device__ uint32_t q_full(int stage) const { return first + 8 * (1 + stage); }
+  __device__ uint32_t do_full(int stage) const { return first + 8 * (1 + kStages + stage); }
+  __device__ uint32_t q_empty(int stage) const { return first + 8 * (1 + 2 * kStages + stage); }
+  __device__ uint32_t do_empty(int stage) const { return first + 8 * (1 + 3 * kStages + stage); }
+  // By one thread, before the CTA's first barrier.
+  __device__ void init(int consumer_threads) const {
+    ptx::mbarrier_init(kv_full(), 1);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(q_full(s), 1);
+      ptx::mbarrier_init(do_full(s), 1);
+      ptx::mbarrier_init(q_empty(s), consumer_threads);
+      ptx::mbarrier_init(do_empty(s), consumer_threads);
+    }
+  }
+};
+
+// The producer thread's copies for the whole walk; `base` is the 1024-byte aligned shared-memory
+// base of Cfg's offsets (kK, kV, kQ, kDo, kLse, kDelta). The n-th use of a stage waits for the
+// consumers' release of use n - 1.
+template <typename Cfg>
+__device__ __forceinline__ void produce_bwd_stages(const BwdTensorMaps& maps, const BwdParams& p,
+                                                   const BwdWalk& walk, BwdBarriers<Cfg::kStages> bars,
+                                                   uint32_t base, int batch, int kv_head, int k_first) {
+  constexpr int kStages = Cfg::kStages, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
+  const int group = p.heads / p.kv_heads;
+  ptx::mbarrier_arrive_expect_tx(bars.kv_full(), 2 * Cfg::kKVBytes);
+  for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+    ptx::tma_load_4d(base + Cfg::kK + panel * kBlockN * 128, &maps.k, bars.kv_full(), panel * 64, kv_head, k_first,
+                     batch);
+    ptx::tma_load_4d(base + Cfg::kV + panel * kBlockN * 128, &maps.v, bars.kv_full(), panel * 64, kv_head, k_first,
+                     batch);
+  }
+  BwdStep step = BwdStep::first(walk, kv_head * group);
+  for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
+    const int stage = s % kStages, use = s / kStages;
+    const int q_first = step.m_block * kBlockM;
+    const int64_t stats = (int64_t(batch) * p.heads + step.head) * p.stats_stride + q_first;
+    const uint32_t q_tile = base + Cfg::kQ + stage * Cfg::kQBytes, do_tile = base + Cfg::kDo + stage * Cfg::kQBytes;
+    if (use > 0) ptx::mbarrier_wait(bars.q_empty(stage), (use - 1) & 1);
+    ptx::mbarrier_arrive_expect_tx(bars.q_full(stage), Cfg::kQBytes + Cfg::kStatBytes);
+    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+      ptx::tma_load_4d(q_tile + panel * kBlockM * 128, &maps.q, bars.q_full(stage), panel * 64, step.head, q_first,
+                       batch);
+    }
+    ptx::bulk_load(base + Cfg::kLse + stage * Cfg::kStatBytes, p.lse_log2 + stats, Cfg::kStatBytes,
+                   bars.q_full(stage));
+    if (use > 0) ptx::mbarrier_wait(bars.do_empty(stage), (use - 1) & 1);
+    ptx::mbarrier_arrive_expect_tx(bars.do_full(stage), Cfg::kQBytes + Cfg::kStatBytes);
+    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+      ptx::tma_load_4d(do_tile + panel * kBlockM * 128, &maps.dout, bars.do_full(stage), panel * 64, step.head,
+                       q_first, batch);
+    }
+    ptx::bulk_load(base + Cfg::kDelta + stage * Cfg::kStatBytes, p.delta + stats, Cfg::kStatBytes,
+                   bars.do_full(stage));
+  }
+}
+
+}  // namespace jax_flash::sm90
