@@ -2,7 +2,9 @@
 # One call on the GPU machine: build the extension (incrementally, in the ignored build/ folder),
 # run the GPU tests, run the benchmark. Logs go to $OUT (the device tool's result folder) or
 # ./gpu_logs. Usage: scripts/gpu_check.sh [build|test|bench|profile|all]
-#   TESTS="tests/test_cuda.py -k causal"   which tests the test step runs
+#   TESTS="tests/test_cuda.py" K="causal"   which tests the test step runs
+#   TEST_TIMEOUT=300                        seconds before pytest is interrupted (SIGINT, so that it
+#                                           still prints what passed and failed so far)
 #   BENCH="--quick"                         arguments of python -m jax_flash.bench
 #   PROFILE="--head-dim 128" NCU_KERNEL=bwd_dkdv   the profile step: ncu on one kernel of one shape
 #                                           (not part of all)
@@ -38,7 +40,8 @@ if [[ $step == build || $step == all ]]; then
 fi
 
 if [[ $step == test || $step == all ]]; then
-  $PY -m pytest -q -x -m gpu ${TESTS:-tests/test_cuda.py} ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | tail -30
+  timeout -s INT -k 20 ${TEST_TIMEOUT:-3000} $PY -m pytest -q -x -m gpu ${TESTS:-tests/test_cuda.py} ${K:+-k "$K"} \
+    2>&1 | tee "$OUT/tests.log" | tail -30
 fi
 
 if [[ $step == bench || $step == all ]]; then
