@@ -105,14 +105,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto sLse = [&](int stage) { return base_addr + Cfg::kLse + stage * Cfg::kStatBytes; };
   auto sDelta = [&](int stage) { return base_addr + Cfg::kDelta + stage * Cfg::kStatBytes; };
   const BwdBarriers<kStages> barriers{base_addr + Cfg::kBarriers};
-  const uint32_t bars = barriers.first + 8 * BwdBarriers<kStages>::kCount;  // then the dQ parts'
-  // dQ part buffers: "full" when a consumer has written one, "empty" when its add has read it.
+  // After them, the dQ part buffers' barriers: "full" when a consumer has written one, "empty"
+  // when its add has read it.
+  const uint32_t dq_barriers = barriers.first + 8 * BwdBarriers<kStages>::kCount;
   constexpr int kDqSlots = Cfg::kConsumers * Cfg::kDqBuffers;
   auto dq_full = [&](int consumer, int buffer) {
-    return bars + 8 * (consumer * Cfg::kDqBuffers + buffer);
+    return dq_barriers + 8 * (consumer * Cfg::kDqBuffers + buffer);
   };
   auto dq_empty = [&](int consumer, int buffer) {
-    return bars + 8 * (kDqSlots + consumer * Cfg::kDqBuffers + buffer);
+    return dq_barriers + 8 * (kDqSlots + consumer * Cfg::kDqBuffers + buffer);
   };
   auto sDq = [&](int consumer, int buffer) {
     return base_addr + Cfg::kDq + (consumer * Cfg::kDqBuffers + buffer) * Cfg::kDqBytes;
