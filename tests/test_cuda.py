@@ -79,11 +79,10 @@ def test_head_dims_and_dtypes(dtype, h, is_causal):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("kw", [{}, dict(is_causal=True), dict(local_window_size=(100, 30))])
-def test_wgmma_backward_at_256_when_opted_in(monkeypatch, dtype, kw):
-    """The d = 256 wgmma backward (cuda/sm90/bwd_wide_kernel.cuh), taken only with
-    JAX_FLASH_SM90_BWD_HDIM256=1 until it has passed on a GPU: GQA, T != S, tails, bands."""
-    monkeypatch.setenv("JAX_FLASH_SM90_BWD_HDIM256", "1")
+@pytest.mark.parametrize("kw", [dict(local_window_size=(100, 30)), dict(is_causal=True, local_window_size=(64, 0))])
+def test_wgmma_backward_at_256_with_bands(dtype, kw):
+    """The d = 256 wgmma backward (cuda/sm90/bwd_wide_kernel.cuh) with GQA, T != S, tails and bands
+    (its masked variant); the plain one is in test_head_dims_and_dtypes."""
     check(dtype, 2, 129, 300, 4, 2, 256, **kw)
 
 

@@ -2,8 +2,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "launch/dispatch.h"
@@ -67,19 +65,14 @@ cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream
   return by_variant(p, [&](auto v) { return fwd_for<T, decltype(v)::value>(p, family, stream); });
 }
 
-// The d = 256 wgmma backward has not yet run on a GPU (2026-11-23): until its GPU tests pass it
-// is taken only with JAX_FLASH_SM90_BWD_HDIM256=1, and never in deterministic mode (its dQ adds
-// are unordered).
-// Read at each launch (a host-side lookup), so that a test can switch it.
-bool bwd_sm90_wide_allowed(const BwdParams& p) {
-  const char* opt_in = std::getenv("JAX_FLASH_SM90_BWD_HDIM256");
-  return opt_in != nullptr && std::strcmp(opt_in, "1") == 0 && p.dq_turns == nullptr;
-}
+// The d = 256 wgmma backward adds dQ with unordered atomics, so deterministic mode (dq_turns)
+// keeps the sm80 kernel there.
+bool bwd_sm90_takes(const BwdParams& p) { return p.head_dim != 256 || p.dq_turns == nullptr; }
 
 template <typename T, Variant kVariant>
 cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream) {
   if (!bwd_supports_head_dim(p.head_dim)) return cudaErrorInvalidValue;
-  const bool sm90 = use_sm90(family) && (p.head_dim != 256 || bwd_sm90_wide_allowed(p));
+  const bool sm90 = use_sm90(family) && bwd_sm90_takes(p);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
     if constexpr (bwd_sm90_supports(kHeadDim, kVariant)) {
