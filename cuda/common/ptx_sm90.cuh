@@ -146,7 +146,7 @@ __device__ __forceinline__ void fence_registers(uint32_t (&a)[M][N]) {
 }
 
 // The accumulator operands of wgmma m64nN with fp32 accumulators (N / 2 registers a thread), as
-// asm operand lists and the matching register lists, for N = 64, 128 and 176.
+// asm operand lists and the matching register lists, for N = 64, 80, 128 and 176.
 #define JAX_FLASH_WGMMA_D32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
     "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
     "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
@@ -155,6 +155,16 @@ __device__ __forceinline__ void fence_registers(uint32_t (&a)[M][N]) {
 #define JAX_FLASH_WGMMA_REGS32 "{" \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19," \
     "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" "}"
+#define JAX_FLASH_WGMMA_D40 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), \
+    "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), \
+    "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), \
+    "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), \
+    "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), \
+    "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+#define JAX_FLASH_WGMMA_REGS40 "{" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19," \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37," \
+    "%38, %39" "}"
 #define JAX_FLASH_WGMMA_D64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
     "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
     "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
@@ -217,15 +227,18 @@ __device__ __forceinline__ void fence_registers(uint32_t (&a)[M][N]) {
   JAX_FLASH_DEFINE_WGMMA(R, N, __half, "f16", SS_AB, SS_SCALE, SS_TRANS, RS_AB, RS_SCALE)
 
 JAX_FLASH_DEFINE_WGMMA_N(32, "64", "%32, %33", "%34", "%35, %36", "{%32, %33, %34, %35}, %36", "%37")
+JAX_FLASH_DEFINE_WGMMA_N(40, "80", "%40, %41", "%42", "%43, %44", "{%40, %41, %42, %43}, %44", "%45")
 JAX_FLASH_DEFINE_WGMMA_N(64, "128", "%64, %65", "%66", "%67, %68", "{%64, %65, %66, %67}, %68", "%69")
 JAX_FLASH_DEFINE_WGMMA_N(88, "176", "%88, %89", "%90", "%91, %92", "{%88, %89, %90, %91}, %92", "%93")
 
 #undef JAX_FLASH_DEFINE_WGMMA_N
 #undef JAX_FLASH_DEFINE_WGMMA
 #undef JAX_FLASH_WGMMA_D32
+#undef JAX_FLASH_WGMMA_D40
 #undef JAX_FLASH_WGMMA_D64
 #undef JAX_FLASH_WGMMA_D88
 #undef JAX_FLASH_WGMMA_REGS32
+#undef JAX_FLASH_WGMMA_REGS40
 #undef JAX_FLASH_WGMMA_REGS64
 #undef JAX_FLASH_WGMMA_REGS88
 

@@ -55,10 +55,11 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
       return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 3>, kVariant>(p, stream);
     }
   }
-  // H = 128 without a band: 176-key blocks, +2-7% at 2k-16k (docs/PERF.md, H9). With a band the
-  // diagonal's blocks would waste more; the masked variant keeps 128.
-  if constexpr (kHeadDim == 128 && kVariant == Variant::kPlain) {
-    if (p.window_left < 0 && p.window_right < 0) {
+  // H = 128 and 256 without a window on the left (non-causal or causal): wider key blocks
+  // (FwdConfig), +2-13% at 4k-16k (docs/PERF.md, H9 and H10). A narrow window would waste more
+  // of them at its edges; the masked variant keeps the narrower ones.
+  if constexpr ((kHeadDim == 128 || kHeadDim == 256) && kVariant == Variant::kPlain) {
+    if (p.window_left < 0) {
       return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 2, true>, kVariant>(p, stream);
     }
   }

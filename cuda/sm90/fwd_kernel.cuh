@@ -38,9 +38,9 @@ namespace jax_flash::sm90 {
 // kConsumers: warp groups of 64 query rows. Three (192-row tiles, as FlashAttention-3) only at
 // H = 64, where the softmax is half the work and a third group's products give it more to hide
 // under; the launcher picks them where no band masks the rows (run_sm90.cuh).
-// kWideBlocks: 176-key blocks at H = 128 (FlashAttention-3's non-causal tile), which spread a
-// block's fixed cost (waits, turns, row maxima) over more keys; two stages then fill the shared
-// memory. The launcher takes them where no band masks the rows.
+// kWideBlocks: 176-key blocks at H = 128, 80 at H = 256 (FlashAttention-3's non-causal tiles),
+// which spread a block's fixed cost (waits, turns, row maxima) over more keys; two stages then
+// fill the shared memory. The launcher takes them unless a window bounds the rows on the left.
 template <typename T_, int kHeadDim_, int kConsumers_ = 2, bool kWideBlocks = false>
 struct FwdConfig {
   using T = T_;
@@ -50,8 +50,8 @@ struct FwdConfig {
   static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64), "registers for three at H = 64 only");
   static constexpr int kBlockM = 64 * kConsumers;
   // S (64 x kBlockN fp32 per warp group) and O (64 x H) share a consumer's 232 registers.
-  static_assert(!kWideBlocks || kHeadDim == 128, "176-key blocks at H = 128 only");
-  static constexpr int kBlockN = kWideBlocks ? 176 : kHeadDim <= 128 ? 128 : 64;
+  static_assert(!kWideBlocks || kHeadDim == 128 || kHeadDim == 256, "wide blocks at H = 128 and 256");
+  static constexpr int kBlockN = kHeadDim <= 128 ? (kWideBlocks ? 176 : 128) : (kWideBlocks ? 80 : 64);
   // K/V stages: three at H = 128 (225 KB, +2-10% over two); H = 256 fits two; at H = 64 four
   // measured no faster non-causal and 13% slower causal at 16k (docs/PERF.md).
   static constexpr int kStages = kHeadDim == 128 && !kWideBlocks ? 3 : 2;
