@@ -57,7 +57,7 @@ def test_sequence_lengths(h, kw):
     check(jnp.bfloat16, b, t, s, 4, 2, h, **masks)
 
 
-@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("h", [64, 128, 256])
 @pytest.mark.parametrize("kw", ["packed", "packed_causal", "unsorted", "with_lengths_window"])
 def test_segment_ids(h, kw):
     rng = rng_for("segments", h, kw)

@@ -28,7 +28,7 @@ def test_softcap_head_dims(dtype, h, is_causal):
     check(dtype, 2, 300, 517, 4, 2, h, is_causal=is_causal, **SATURATING)
 
 
-@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("h", [64, 128, 256])
 @pytest.mark.parametrize("kw", ["gemma", "window_lengths", "segments_causal"])
 def test_softcap_with_masks(h, kw):
     rng = rng_for("softcap_masks", h, kw)

@@ -55,11 +55,13 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
       return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 3>, kVariant>(p, stream);
     }
   }
-  // H = 128 and 256 without a window on the left (non-causal or causal): wider key blocks
-  // (FwdConfig), +2-13% at 4k-16k (docs/PERF.md, H9 and H10). A narrow window would waste more
-  // of them at its edges; the masked variant keeps the narrower ones.
-  if constexpr ((kHeadDim == 128 || kHeadDim == 256) && kVariant == Variant::kPlain) {
-    if (p.window_left < 0) {
+  // H = 128 and 256: wider key blocks (FwdConfig), +2-13% at 4k-16k without a window (docs/PERF.md,
+  // H9-H11), also with lengths and the soft cap. At H = 128 a window bounded on the left, or
+  // segments, would waste more of 176 keys at their edges (window 512 and 2048-token documents lost
+  // 14%); at H = 256 the blocks are 80 keys against 64, and they lost nothing.
+  if constexpr (kHeadDim == 128 || kHeadDim == 256) {
+    const bool edges = p.window_left >= 0 || p.q_segments != nullptr;
+    if (kHeadDim == 256 || !edges) {
       return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 2, true>, kVariant>(p, stream);
     }
   }
