@@ -8,11 +8,13 @@ imports, FlashAttention-3's JAX binding, on the same inputs in one run.
 
 The grid is the FlashAttention papers': 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / d), bf16. FLOPs: forward 4·b·h·s²·d, halved when causal; backward 2.5x the
-forward. Each time is the median of 5 rounds, one wall-clock loop of 10 calls of every
-implementation a round, after a warm-up (interleaved, so that clock or temperature drift during a
-run moves every column alike); backward = (forward + backward) - forward, per round. The ratio to
-the reference column is the median of the 5 rounds' ratios, with their range: a difference inside
-that range is noise. On a CPU the grid shrinks and the xla paths are compared.
+forward. Each time is the median of 6 rounds, one wall-clock loop of every implementation a
+round (10 to 200 calls, about 25 ms), after a warm-up. The rounds interleave the implementations,
+ours and the reference back to back, the order reversed every other round, so that a drift of the
+clocks during a run, or an advantage of going first, moves both alike. Backward = (forward +
+backward) - forward, per round. The ratio to the reference column is the median of the 6 rounds'
+ratios, with their range: a difference inside that range is noise. On a CPU the grid shrinks
+and the xla paths are compared.
 """
 
 from __future__ import annotations
@@ -61,10 +63,8 @@ def grid(on_gpu: bool, quick: bool, head_dims, seqlens=None) -> list[Shape]:
 
 def implementations(on_gpu: bool) -> dict[str, Callable]:
     """name -> attention(q, k, v, causal) for every implementation that runs here."""
-    impls = {
-        "jax_flash": lambda q, k, v, c: jax_flash.attention(q, k, v, is_causal=c),
-        "xla": lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="xla"),
-    }  # fmt: skip
+    # Ours and the reference column first, next to each other in the timing order (measure).
+    impls = {"jax_flash": lambda q, k, v, c: jax_flash.attention(q, k, v, is_causal=c)}
     if on_gpu:
         impls["cudnn"] = lambda q, k, v, c: jax.nn.dot_product_attention(
             q, k, v, is_causal=c, implementation="cudnn")
@@ -74,10 +74,15 @@ def implementations(on_gpu: bool) -> dict[str, Callable]:
             impls["fa3_jax"] = lambda q, k, v, c: flash_mha(q, k, v, is_causal=c)
         except ImportError:
             pass
+    impls["xla"] = lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="xla")
     return impls
 
 
-ROUNDS = 5
+# Even: ours and the reference are each timed first in half of the rounds. Which of the two went
+# first moved their ratio by 5-15% on the H100 (2026-11-23), an untimed loop before each timed one
+# included, so neither may go first more often.
+ROUNDS = 6
+LOOP_SECONDS = 0.025
 
 
 def _loop_seconds(fn, args, calls: int = 10) -> float:
@@ -118,23 +123,43 @@ def _warmed(fn: Callable, args) -> Callable | None:
     return fn
 
 
+def _calls_per_loop(fn, args, seconds: float = LOOP_SECONDS) -> int:
+    """Calls that make one timed loop last about `seconds` (at least 10, at most 200), so that a
+    host hiccup or a clock step is a small part of every loop, short kernels included."""
+    once = _loop_seconds(fn, args, calls=3)
+    return max(10, min(200, int(seconds / max(once, 1e-9)) + 1))
+
+
 def measure(impls: dict[str, Callable], shape: Shape, dtype, rounds: int = ROUNDS) -> dict[str, list]:
     """name -> [(forward seconds, backward seconds) per round], every implementation timed once a
-    round on the same inputs; None where it fails on this shape."""
+    round on the same inputs; None where it fails on this shape. Within a round the forward loops
+    run in the order of impls and the forward + backward loops in the reverse order, and odd rounds
+    reverse both, so that the first two implementations (ours and the reference) are always timed
+    back to back and a drift of the clocks during a round favours neither."""
     keys = jax.random.split(jax.random.key(shape.seqlen * 7 + shape.head_dim), 4)
     dims = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
     q, k, v, do = (jax.random.normal(key, dims, dtype) for key in keys)
-    compiled = {}
+    fwd_args, fwd_bwd_args = (q, k, v), (q, k, v, do)
+    loops = {}  # name -> (fwd, calls, fwd_bwd, calls); fwd or fwd_bwd None where it fails
     for name, attn in impls.items():
         fwd, fwd_bwd = _jitted_fwd_and_fwd_bwd(lambda q, k, v, attn=attn: attn(q, k, v, shape.causal))
-        fwd = _warmed(fwd, (q, k, v))
-        compiled[name] = (fwd, _warmed(fwd_bwd, (q, k, v, do)) if fwd else None)
+        fwd = _warmed(fwd, fwd_args)
+        fwd_bwd = _warmed(fwd_bwd, fwd_bwd_args) if fwd else None
+        loops[name] = (fwd, fwd and _calls_per_loop(fwd, fwd_args),
+                       fwd_bwd, fwd_bwd and _calls_per_loop(fwd_bwd, fwd_bwd_args))
     samples = {name: [] for name in impls}
-    for _ in range(rounds):
-        for name, (fwd, fwd_bwd) in compiled.items():
-            t_fwd = _loop_seconds(fwd, (q, k, v)) if fwd else None
-            t_bwd = max(_loop_seconds(fwd_bwd, (q, k, v, do)) - t_fwd, 1e-9) if fwd_bwd else None
-            samples[name].append((t_fwd, t_bwd))
+    for round_ in range(rounds):
+        order = list(impls) if round_ % 2 == 0 else list(impls)[::-1]
+        t_fwd, t_fwd_bwd = {}, {}
+        for name in order:
+            fwd, calls, _, _ = loops[name]
+            t_fwd[name] = _loop_seconds(fwd, fwd_args, calls) if fwd else None
+        for name in order[::-1]:
+            _, _, fwd_bwd, calls = loops[name]
+            t_fwd_bwd[name] = _loop_seconds(fwd_bwd, fwd_bwd_args, calls) if fwd_bwd else None
+        for name in impls:
+            t_bwd = None if t_fwd_bwd[name] is None else max(t_fwd_bwd[name] - t_fwd[name], 1e-9)
+            samples[name].append((t_fwd[name], t_bwd))
     return samples
 
 
