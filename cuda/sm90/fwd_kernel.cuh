@@ -40,7 +40,7 @@ namespace jax_flash::sm90 {
 // under; the launcher picks them where no band masks the rows (run_sm90.cuh).
 // kWideBlocks: 176-key blocks at H = 128, 80 at H = 256 (FlashAttention-3's non-causal tiles),
 // which spread a block's fixed cost (waits, turns, row maxima) over more keys; two stages then
-// fill the shared memory. The launcher takes them unless a window bounds the rows on the left.
+// fill the shared memory. The launcher says where they pay (run_sm90.cuh).
 template <typename T_, int kHeadDim_, int kConsumers_ = 2, bool kWideBlocks = false>
 struct FwdConfig {
   using T = T_;
