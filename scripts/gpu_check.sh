@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the extension (incrementally, in the ignored build/ folder),
 # run the GPU tests, run the benchmark. Logs go to $OUT (the device tool's result folder) or
-# ./gpu_logs. Usage: scripts/gpu_check.sh [build|test|bench|profile|all]
+# ./gpu_logs. Usage: scripts/gpu_check.sh [build|test|bench|sanitize|profile|all]
 #   TESTS="tests/test_cuda.py" K="causal"   which tests the test step runs
 #   TEST_TIMEOUT=300                        seconds before pytest is interrupted (SIGINT, so that it
 #                                           still prints what passed and failed so far)
