@@ -6,8 +6,10 @@
 #   TEST_TIMEOUT=300                        seconds before pytest is interrupted (SIGINT, so that it
 #                                           still prints what passed and failed so far)
 #   BENCH="--quick"                         arguments of python -m jax_flash.bench
-#   PROFILE="--head-dim 128" NCU_KERNEL=bwd_dkdv   the profile step: ncu on one kernel of one shape
-#                                           (not part of all)
+#   PROFILE="--head-dim 128" NCU_KERNEL=bwd_kernel   the profile step: ncu on one kernel of one
+#                                           shape (not part of all); NCU_NAME_BASE=demangled matches
+#                                           the regex against template arguments too (the peer's
+#                                           kernels are all cutlass::device_kernel<...>)
 #   the sanitize step: compute-sanitizer memcheck and racecheck on every kernel of a forward and
 #   backward, causal and not, tails included (not part of all); SANITIZE_KERNEL=name limits them
 #   to kernels whose name contains it; MASKS=1 runs them with lengths and segment ids (the masked
@@ -63,7 +65,8 @@ if [[ $step == sanitize ]]; then
 fi
 
 if [[ $step == profile ]]; then
-  ncu --clock-control none -k "regex:${NCU_KERNEL:-bwd_dkdv}" -c 1 --set full \
+  ncu --clock-control none --kernel-name-base ${NCU_NAME_BASE:-function} -k "regex:${NCU_KERNEL:-bwd_kernel}" \
+    -c 1 --set full \
     -o /tmp/profile -f $PY scripts/profile_once.py ${PROFILE:-} > /tmp/profile.log 2>&1 \
     || tail -20 /tmp/profile.log
   # At most 8 files come back from the device tool: the details page and the per-instruction

@@ -22,6 +22,8 @@ parser.add_argument("--masks", action="store_true",
                     help="sequence lengths and four packed documents a row (the masked kernels)")
 parser.add_argument("--softcap", type=float, default=None, help="logit soft cap (the softcap kernels)")
 parser.add_argument("--window", type=int, default=None, help="local window: this many keys to the left")
+parser.add_argument("--peer", choices=["fa3_jax"], default=None,
+                    help="run FlashAttention-3's JAX binding instead (plain causal or not), to profile the peer")
 args = parser.parse_args()
 
 dims = (-(-args.tokens // args.seqlen), args.seqlen, 2048 // args.head_dim, args.head_dim)
@@ -38,12 +40,20 @@ if args.masks:
 window = None if args.window is None else (args.window, 0 if args.causal else args.window)
 
 
+
+
+def attention(q, k, v):
+    if args.peer == "fa3_jax":
+        from flash_attn3_jax import flash_mha
+
+        return flash_mha(q, k, v, is_causal=args.causal)
+    return jax_flash.attention(q, k, v, is_causal=args.causal, implementation="cuda", softcap=args.softcap,
+                               local_window_size=window, **masks)
+
+
 @jax.jit
 def fwd_bwd(q, k, v, do):
-    out, vjp = jax.vjp(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=args.causal,
-                                                           implementation="cuda", softcap=args.softcap,
-                                                           local_window_size=window, **masks),
-                        q, k, v)
+    out, vjp = jax.vjp(attention, q, k, v)
     return out, vjp(do)
 
 

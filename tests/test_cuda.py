@@ -93,6 +93,13 @@ def test_lengths(t, s, is_causal):
     check(jnp.bfloat16, 1, t, s, 2, 1, 128, is_causal=is_causal)
 
 
+@pytest.mark.parametrize("t,s", [(8192, 8192), (8200, 9000), (9000, 8200)])
+def test_long_causal_rows_at_64(t, s):
+    """d = 64 causal rows of 8192 queries and more take the 192-row tiles (run_sm90.cuh), with
+    tails and T != S; shorter ones take 128-row tiles (the tests above)."""
+    check(jnp.bfloat16, 1, t, s, 2, 1, 64, is_causal=True)
+
+
 @pytest.mark.parametrize("n,kv_heads", [(8, 8), (8, 2), (8, 1)])
 @pytest.mark.parametrize("window", [None, (64, 0), (100, 30)])
 def test_gqa_and_windows(n, kv_heads, window):

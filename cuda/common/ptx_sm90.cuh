@@ -117,10 +117,21 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t lead
   return uint64_t((addr & 0x3FFFF) >> 4) | uint64_t(leading_bytes >> 4) << 16 |
          uint64_t(1024 >> 4) << 32 | uint64_t(1) << 62;
 }
+// The descriptor of the tile `bytes` further on (a multiple of 16): the start address field is
+// the low 14 bits, and shared-memory addresses stay below 2^18, so no carry leaves the field.
+// Advancing a descriptor made once keeps the per-wgmma address work to one uniform add.
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 // Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a 64-column panel of 128-byte rows
 // as TMA writes it with the 128-byte swizzle: a row's chunks are permuted by its place in its
 // group of 8 rows.
 __device__ __forceinline__ uint32_t sw128_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row % 8)) * 16); }
+// Four 8 x 8 tiles of 16-bit elements from the mma accumulator layout (tile m in r[m]: lane l
+// holds row l / 4, elements 2 (l % 4) and + 1) to shared memory, each row 16 contiguous bytes at
+// the address that lane 8 m + row gives.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3));
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Until at most N committed wgmma groups of this warp group are in flight.

@@ -46,12 +46,15 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  // H = 64 without a band: 192-row tiles, +0-8% at 2k-16k; with one (causal, windows) they lost
-  // up to 7% to 128-row tiles, whose blocks on the diagonal waste less (docs/PERF.md, H5). Only in
-  // the plain variant: the masked one's tile bounds (segment chunks) do not fit the producer's 32
-  // registers of a four-warp-group CTA, and the soft cap's tanh made the consumers spill.
+  // H = 64: 192-row tiles without a band, +0-8% at 2k-16k (docs/PERF.md, H5). With one, 128-row
+  // tiles waste less on the diagonal; the 192-row tiles still win on long causal rows (+4-6% at
+  // 8k and 16k, even at 4k, -1% at 2k: H12), not for windows. Only in the plain variant: the
+  // masked one's tile bounds (segment chunks) do not fit the producer's 32 registers of a
+  // four-warp-group CTA, and the soft cap's tanh made the consumers spill.
   if constexpr (kHeadDim == 64 && kVariant == Variant::kPlain) {
-    if (p.window_left < 0 && p.window_right < 0) {
+    const bool no_band = p.window_left < 0 && p.window_right < 0;
+    const bool long_causal = p.window_left < 0 && p.seqlen_q >= 8192;
+    if (no_band || long_causal) {
       return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 3>, kVariant>(p, stream);
     }
   }

@@ -181,7 +181,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   // Consumers: this one's keys are rows consumer * 64 .. + 63 of the K and V tiles.
   ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  // Broadcast from lane 0, so that the compiler knows it is the same across the warp: the wgmma
+  // descriptors built from it then stay in uniform registers.
   const int consumer = warp_group - 1;
+  const int consumer_uniform = __shfl_sync(0xffffffff, consumer, 0);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int key0 = k_first + consumer * 64;
   // Accumulator element i of an m64nN tile: row (key, or query for dQ) warp * 16 + accum_row(i),
@@ -199,14 +202,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // panel; `keys` is K or V, `queries` the stage's Q or dO, `full` its barrier.
   constexpr int kSRegs = kBlockM / 2;  // 64 keys x kBlockM queries
   auto issue_transposed = [&](float (&acc)[kSRegs], uint32_t keys, uint32_t queries, uint32_t full, int s) {
+    const uint64_t key_desc = ptx::smem_desc_sw128(keys + consumer_uniform * 64 * 128, 0);
+    const uint64_t query_desc = ptx::smem_desc_sw128(queries, 0);
     ptx::mbarrier_wait(full, (s / kStages) & 1);
     ptx::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      const uint32_t key_off = (ks / 4) * kBlockN * 128 + consumer * 64 * 128 + (ks % 4) * 32;
-      const uint32_t query_off = (ks / 4) * kBlockM * 128 + (ks % 4) * 32;
-      ptx::wgmma_ss(acc, ptx::smem_desc_sw128(keys + key_off, 0), ptx::smem_desc_sw128(queries + query_off, 0),
-                    ks > 0, T{});
+      ptx::wgmma_ss(acc, ptx::desc_advance(key_desc, (ks / 4) * kBlockN * 128 + (ks % 4) * 32),
+                    ptx::desc_advance(query_desc, (ks / 4) * kBlockM * 128 + (ks % 4) * 32), ks > 0, T{});
     }
     ptx::wgmma_commit();
   };
@@ -215,10 +218,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // queries), B the stage's Q or dO, MN-major here (queries are K, columns N).
   auto issue_over_queries = [&](float (&acc)[kHeadDim / 2], const uint32_t (&a)[kBlockM / 16][4],
                                 uint32_t queries) {
+    const uint64_t desc = ptx::smem_desc_sw128(queries, kBlockM * 128);
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      ptx::wgmma_rs(acc, a[kk], ptx::smem_desc_sw128(queries + kk * 2048, kBlockM * 128), T{});
-    }
+    for (int kk = 0; kk < kBlockM / 16; ++kk) ptx::wgmma_rs(acc, a[kk], ptx::desc_advance(desc, kk * 2048), T{});
     ptx::wgmma_commit();
   };
 
@@ -286,31 +288,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int j = 0; j < 4; ++j) pa[kk][j] = ptx::pack2<T>(st[8 * kk + 2 * j], st[8 * kk + 2 * j + 1]);
 
-    if constexpr (!kSoftcap) load_stats(sDelta(stage), delta);
+    if constexpr (!kSoftcap) {
+      load_stats(sDelta(stage), delta);
+#pragma unroll
+      for (int n = 0; n < kBlockM / 8; ++n) delta[n] = float2{delta[n].x * p.scale, delta[n].y * p.scale};
+    }
 
     // dV += P^T dO.
     ptx::wgmma_fence();
     issue_over_queries(dv, pa, sDo(stage));
 
-    // dS^T = P^T (dP^T - delta) * scale (with a cap, dpt holds (dP^T - delta) * slope), from the
-    // 16-bit P (the precision dV used).
+    // dS^T = P^T (dP^T scale - delta scale) (with a cap, dpt holds (dP^T - delta) * slope), from
+    // the 16-bit P (the precision dV used).
     ptx::wgmma_wait<1>();
     ptx::fence_registers(dpt);
     uint32_t dsa[kBlockM / 16][4];
+    // To shared memory for dQ (row = key of the CTA's 128, 16-byte chunk = 8 queries), by
+    // stmatrix: dsa[kk][m] is the 8 x 8 tile of rows (m % 2) * 8 of this warp's 16 and chunk
+    // 2 kk + m / 2, and lane 8 m + r gives the address of that tile's row r.
+    const int ds_row = consumer * 64 + warp * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+    const uint32_t ds_row_addr = ds_buffer + ds_row * 128;
+    const uint32_t ds_chunk_bits = ((lane / 16) ^ (ds_row % 8)) * 16;  // (2 kk + m / 2) ^ (row % 8) = 2 kk ^ this
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk)
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int i = 8 * kk + 2 * j;  // elements i, i + 1: one row, two adjacent queries
         const float2 prob = ptx::unpack2<T>(pa[kk][j]);
         const float2 d = kSoftcap ? float2{0.f, 0.f} : delta[i / 4];
-        dsa[kk][j] = ptx::pack2<T>(prob.x * (dpt[i] - d.x) * p.scale, prob.y * (dpt[i + 1] - d.y) * p.scale);
-        // To shared memory for dQ: row = key (of the CTA's 128), 16-byte chunk = 8 queries.
-        const int row = consumer * 64 + warp * 16 + accum_row(i), chunk = i / 4;
-        ptx::st_shared_b32(ds_buffer + (chunk / 8) * kBlockN * 128 + ptx::sw128_offset(row, chunk % 8) +
-                               (lane % 4) * 4,
-                           dsa[kk][j]);
+        dsa[kk][j] = ptx::pack2<T>(prob.x * fmaf(dpt[i], p.scale, -d.x), prob.y * fmaf(dpt[i + 1], p.scale, -d.y));
       }
+      ptx::stmatrix_x4(ds_row_addr + (kk / 4) * kBlockN * 128 + (((2 * kk) % 8 * 16) ^ ds_chunk_bits), dsa[kk][0],
+                       dsa[kk][1], dsa[kk][2], dsa[kk][3]);
+    }
 
     // This consumer's dQ part = dS K over all the CTA's keys: dS^T (keys x queries in shared
     // memory) is A MN-major, K is B MN-major.
@@ -318,13 +328,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::named_barrier_sync(3, kConsumerThreads);
     float dq[32];
     ptx::wgmma_fence();
+    const uint64_t ds_desc = ptx::smem_desc_sw128(ds_buffer + (Cfg::dq_row0(consumer_uniform) / 64) * kBlockN * 128, 0);
+    const uint64_t k_desc = ptx::smem_desc_sw128(sK + (Cfg::dq_column0(consumer_uniform) / 64) * kBlockN * 128, 0);
 #pragma unroll
     for (int ks = 0; ks < kBlockN / 16; ++ks) {
-      const uint64_t desc_ds =
-          ptx::smem_desc_sw128(ds_buffer + (Cfg::dq_row0(consumer) / 64) * kBlockN * 128 + ks * 2048, 0);
-      const uint64_t desc_k =
-          ptx::smem_desc_sw128(sK + (Cfg::dq_column0(consumer) / 64) * kBlockN * 128 + ks * 2048, 0);
-      ptx::wgmma_ss<1, 1>(dq, desc_ds, desc_k, ks > 0, T{});
+      ptx::wgmma_ss<1, 1>(dq, ptx::desc_advance(ds_desc, ks * 2048), ptx::desc_advance(k_desc, ks * 2048), ks > 0, T{});
     }
     ptx::wgmma_commit();
 
