@@ -228,6 +228,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Consumers.
   ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
   const int consumer = warp_group - 1;
+  // The same, broadcast from lane 0 so that the compiler knows it is uniform across the warp: the
+  // wgmma descriptors of this consumer's Q rows then stay in uniform registers (built from
+  // `consumer`, every wgmma rebuilt its descriptor in vector registers; docs/PERF.md, B8).
+  const int consumer_uniform = __shfl_sync(0xffffffff, consumer, 0);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   // This thread's rows of the tile (the accumulator layout): row_in_tile(r), r = 0, 1.
   auto row_in_tile = [&](int r) { return consumer * 64 + warp * 16 + r * 8 + lane / 4; };
@@ -277,14 +281,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // (32 bytes each).
     auto issue_s = [&](float (&s)[kSRegs], int j) {
       const int stage = stage_of(j);
+      const uint64_t q_desc = ptx::smem_desc_sw128(sQ + consumer_uniform * 64 * 128, 0);
+      const uint64_t k_desc = ptx::smem_desc_sw128(sK(stage), 0);
       ptx::mbarrier_wait(k_full(stage), phase_of(j));
       ptx::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        const uint64_t desc_q =
-            ptx::smem_desc_sw128(sQ + (ks / 4) * kBlockM * 128 + consumer * 64 * 128 + (ks % 4) * 32, 0);
-        const uint64_t desc_k = ptx::smem_desc_sw128(sK(stage) + (ks / 4) * kBlockN * 128 + (ks % 4) * 32, 0);
-        ptx::wgmma_ss(s, desc_q, desc_k, ks > 0, T{});
+        ptx::wgmma_ss(s, ptx::desc_advance(q_desc, (ks / 4) * kBlockM * 128 + (ks % 4) * 32),
+                      ptx::desc_advance(k_desc, (ks / 4) * kBlockN * 128 + (ks % 4) * 32), ks > 0, T{});
       }
       ptx::wgmma_commit();
     };
@@ -297,15 +301,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // step (2048 bytes of a panel), 64-column panels kBlockN * 128 bytes apart.
     auto issue_pv = [&](const uint32_t (&pa)[kBlockN / 16][4], int j) {
       const int stage = stage_of(j);
+      const uint64_t v_desc = ptx::smem_desc_sw128(sV(stage), kBlockN * 128);
       ptx::mbarrier_wait(v_full(stage), phase_of(j));
       ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk)
 #pragma unroll
         for (int c = 0; c < Cfg::kOChunks; ++c) {
-          const uint64_t desc_v = ptx::smem_desc_sw128(
-              sV(stage) + c * (Cfg::kOChunkCols / 64) * kBlockN * 128 + kk * 2048, kBlockN * 128);
-          ptx::wgmma_rs(o[c], pa[kk], desc_v, T{});
+          ptx::wgmma_rs(o[c], pa[kk],
+                        ptx::desc_advance(v_desc, c * (Cfg::kOChunkCols / 64) * kBlockN * 128 + kk * 2048), T{});
         }
       ptx::wgmma_commit();
     };
