@@ -120,10 +120,9 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t lead
 // The descriptor of the tile `bytes` further on (a multiple of 16): the start address field is
 // the low 14 bits, and shared-memory addresses stay below 2^18, so no carry leaves the field.
 // Advancing a descriptor made once keeps the per-wgmma address work to one uniform add.
-__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
-  // A 32-bit add on the low word (no carry to propagate): one instruction instead of a 64-bit add.
-  return (desc & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(desc) + (bytes >> 4));
-}
+// (Written as a 32-bit add on the low word, the code had more instructions: ptxas then rebuilt the
+// high word before every wgmma.)
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 // Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a 64-column panel of 128-byte rows
 // as TMA writes it with the 128-byte swizzle: a row's chunks are permuted by its place in its
 // group of 8 rows.
