@@ -1,7 +1,7 @@
 """Runs jax_flash forward and backward once on one benchmark shape, for a profiler or
 compute-sanitizer to attach to:
 
-    ncu --clock-control none -k regex:bwd_dkdv python scripts/profile_once.py --head-dim 128 --seqlen 4096
+    ncu --clock-control none -k regex:bwd_kernel python scripts/profile_once.py --head-dim 128 --seqlen 4096
 
 Random bf16 inputs, 16k tokens, hidden 2048, as in python -m jax_flash.bench.
 """
@@ -38,8 +38,6 @@ if args.masks:
 
 
 window = None if args.window is None else (args.window, 0 if args.causal else args.window)
-
-
 
 
 def attention(q, k, v):

@@ -48,7 +48,7 @@ template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // H = 64: 192-row tiles without a band, +0-8% at 2k-16k (docs/PERF.md, H5). With one, 128-row
   // tiles waste less on the diagonal; the 192-row tiles still win on long causal rows (+4-6% at
-  // 8k and 16k, even at 4k, -1% at 2k: H12), not for windows. Only in the plain variant: the
+  // 8k and 16k, level at 2k and 4k: H12), not for windows. Only in the plain variant: the
   // masked one's tile bounds (segment chunks) do not fit the producer's 32 registers of a
   // four-warp-group CTA, and the soft cap's tanh made the consumers spill.
   if constexpr (kHeadDim == 64 && kVariant == Variant::kPlain) {

@@ -181,9 +181,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   // Consumers: this one's keys are rows consumer * 64 .. + 63 of the K and V tiles.
   ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
-  // Broadcast from lane 0, so that the compiler knows it is the same across the warp: the wgmma
-  // descriptors built from it then stay in uniform registers.
   const int consumer = warp_group - 1;
+  // The same, broadcast from lane 0 so that the compiler knows it is uniform across the warp: the
+  // wgmma descriptors built from it then stay in uniform registers (docs/PERF.md, B8).
   const int consumer_uniform = __shfl_sync(0xffffffff, consumer, 0);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int key0 = k_first + consumer * 64;
