@@ -183,7 +183,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
   const int consumer = warp_group - 1;
   // The same, broadcast from lane 0 so that the compiler knows it is uniform across the warp: the
-  // wgmma descriptors built from it then stay in uniform registers (docs/PERF.md, B8).
+  // wgmma descriptors built from it then stay in uniform registers (docs/PERF.md, B8). Only the
+  // descriptors take it: used in place of `consumer` everywhere, it made the H = 64 kernel spill.
   const int consumer_uniform = __shfl_sync(0xffffffff, consumer, 0);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int key0 = k_first + consumer * 64;
@@ -308,7 +309,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // 2 kk + m / 2, and lane 8 m + r gives the address of that tile's row r.
     const int ds_row = consumer * 64 + warp * 16 + ((lane / 8) % 2) * 8 + lane % 8;
     const uint32_t ds_row_addr = ds_buffer + ds_row * 128;
-    const uint32_t ds_chunk_bits = ((lane / 16) ^ (ds_row % 8)) * 16;  // (2 kk + m / 2) ^ (row % 8) = 2 kk ^ this
+    // ptx::sw128_offset(ds_row, 2 kk + m / 2) with the swizzle hoisted out of the loop:
+    // (2 kk + m / 2) ^ (row % 8) = 2 kk ^ (m / 2 ^ row % 8), one XOR a tile (the helper cost 8
+    // more instructions a step at H = 64).
+    const uint32_t ds_chunk_bits = ((lane / 16) ^ (ds_row % 8)) * 16;
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
 #pragma unroll
