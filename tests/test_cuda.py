@@ -106,6 +106,12 @@ def test_gqa_and_windows(n, kv_heads, window):
     check(jnp.bfloat16, 2, 500, 700, n, kv_heads, 64, local_window_size=window)
 
 
+@pytest.mark.parametrize("window", [(64, 0), (100, 30)])
+def test_windows_at_128(window):
+    """The sm80 forward's 128-row tiles at H = 128 (traits.cuh) with bands, T != S and GQA."""
+    check(jnp.bfloat16, 2, 500, 700, 4, 2, 128, local_window_size=window)
+
+
 def test_repeatable_forward_and_dk_dv():
     """Same inputs twice: bit-identical output, lse, dK and dV (a moving result is a race)."""
     inputs, first = check(jnp.bfloat16, 2, 1000, 1000, 4, 2, 128, is_causal=True)

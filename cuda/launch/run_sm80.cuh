@@ -15,7 +15,7 @@ namespace jax_flash {
 
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = sm80::FwdConfig<T, kHeadDim>;
+  using Cfg = sm80::FwdConfig<T, kHeadDim, kVariant>;
   auto kernel = sm80::fwd_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.batch * p.heads);

@@ -5,28 +5,32 @@
 // (rows x H fp32) per warp, the backward dK and dV (2 x 32 x H/2 fp32), which limits it to H <= 128.
 #pragma once
 
+#include "common/params.h"
 #include "common/tile.cuh"
 
 namespace jax_flash::sm80 {
 
-template <typename T_, int kHeadDim_>
+template <typename T_, int kHeadDim_, Variant kVariant = Variant::kPlain>
 struct FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
-  // Two m16 tiles per warp where registers allow (H <= 64): each K/V fragment read from shared
-  // memory then feeds two mma.sync, halving shared-memory traffic per FLOP. Above, the O and S
-  // accumulators of two tiles spill (measured, docs/PERF.md), so one tile per warp. 4 warps a
-  // CTA, so that two or more CTAs share an SM and one's barriers hide behind another's work
-  // (8 warps and 128 rows a CTA measured 15% slower at H = 128).
-  static constexpr int kWarpRows = kHeadDim <= 64 ? 32 : 16;
+  // Two m16 tiles per warp (FlashAttention-2's 128 x 64 tile with 4 warps) where registers allow:
+  // each K/V fragment read from shared memory then feeds two mma.sync, halving shared-memory
+  // traffic per FLOP. At H = 128 only the plain kernel: +16-20% there (docs/PERF.md, step 15),
+  // with Q read from shared memory and 84 bytes spilled; the masks, the soft cap and the bias
+  // would spill 108-1142 bytes, and H = 96 and 192-256 keep one tile too. 4 warps a CTA, so that
+  // two or more CTAs share an SM and one's barriers hide behind another's work (8 warps measured
+  // 15% slower at H = 128).
+  static constexpr int kWarpRows = kHeadDim <= 64 || (kHeadDim == 128 && kVariant == Variant::kPlain) ? 32 : 16;
   static constexpr int kWarps = 4;
   static constexpr int kBlockM = kWarps * kWarpRows;
   // S (rows x kBlockN fp32) and O share the register file, and two stages of K and V must leave
   // room for two CTAs per SM: narrower key blocks above H = 128.
   static constexpr int kBlockN = kHeadDim <= 128 ? 64 : 32;
   static constexpr int kThreads = kWarps * 32;
-  // Q fragments stay in registers only where they fit beside S and O.
-  static constexpr bool kQInRegs = kHeadDim <= 128;
+  // Q fragments (kWarpRows * H / 64 registers a thread) stay in registers where they fit beside S
+  // and O: up to 32 registers.
+  static constexpr bool kQInRegs = kWarpRows * kHeadDim <= 32 * 64;
   // K one key block ahead of V: S of the next block is computed beside the softmax of this one
   // (two S accumulators, which fit where one m16 tile per warp leaves room).
   static constexpr bool kKLead = kWarpRows == 16;
