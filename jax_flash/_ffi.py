@@ -166,27 +166,28 @@ def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, 
             padded_t = -(-t // _STATS_ROW_MULTIPLE) * _STATS_ROW_MULTIPLE
             stats = jax.ShapeDtypeStruct((b, n, padded_t), jnp.float32)
             result_types = (
-                jax.ShapeDtypeStruct(q.shape, jnp.float32),  # dQ accumulator, filled with atomics
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct(k.shape, k.dtype),
                 jax.ShapeDtypeStruct(v.shape, v.dtype),
+                jax.ShapeDtypeStruct((b, padded_t, n, q.shape[3]), jnp.float32),  # dQ accumulator scratch
                 stats,  # delta = rowsum(dO * O) - dlse
                 stats,  # lse in base 2
                 jax.ShapeDtypeStruct((b, n, padded_t // 64), jnp.int32),  # dQ turn counters (deterministic mode)
                 jax.ShapeDtypeStruct(_dbias_shape(bias, q, k) if want_dbias else (b, 0, 0, 0), jnp.float32),
             )
             operands = (q, k, v, out, lse, d_out, d_lse, *masks, bias, mask)
-            *results, dbias = call_kernel("jax_flash_bwd", result_types, operands, attrs)
+            dq, dk, dv, *_scratch, dbias = call_kernel("jax_flash_bwd", result_types, operands, attrs)
             broadcast_axes = tuple(i for i in range(4) if dbias.shape[i] != bias.shape[i])
-            return (*results, dbias.sum(broadcast_axes, keepdims=True) if broadcast_axes else dbias)
+            return dq, dk, dv, dbias.sum(broadcast_axes, keepdims=True) if broadcast_axes else dbias
 
         b, _, n, _ = q.shape
         bias_layout = _bias_layout(bias, b, n)
         layouts_in = ("b-n-", "b-k-", "b-k-", "b-n-", "bn-", "b-n-", "bn-", bias_layout, _bias_layout(mask, b, n))
-        layouts_out = ("b-n-", "b-k-", "b-k-", "bn-", "bn-", "bn-", bias_layout if want_dbias else "b---")
+        layouts_out = ("b-n-", "b-k-", "b-k-", bias_layout if want_dbias else "b---")
         grads = _partition.over_batch_and_heads(kernel, layouts_in + _MASK_LAYOUTS, layouts_out, n, k.shape[2])
         return grads(q, k, v, out, lse, d_out, d_lse, bias, mask, *masks)
 
-    fold = _batching.fold_into_batch(run, broadcast=(7, 8), summed={6: 7} if want_dbias else None)
-    dq_accum, dk, dv, *_, dbias = fold(q, k, v, out, lse.astype(jnp.float32), d_out, d_lse.astype(jnp.float32),
-                                       bias, mask, *masks)  # fmt: skip
-    return _partition.vary_like((dq_accum.astype(q.dtype), dk, dv, dbias), q, k, v, out, d_out)
+    fold = _batching.fold_into_batch(run, broadcast=(7, 8), summed={3: 7} if want_dbias else None)
+    dq, dk, dv, dbias = fold(q, k, v, out, lse.astype(jnp.float32), d_out, d_lse.astype(jnp.float32),
+                             bias, mask, *masks)  # fmt: skip
+    return _partition.vary_like((dq, dk, dv, dbias), q, k, v, out, d_out)

@@ -40,8 +40,8 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
     q, k, v, out, lse, d_out, d_lse, seqlens, q_segments, kv_segments, _, _, bias, mask = operands
     call = _call(attrs, q, k, v, seqlens, q_segments, kv_segments, bias, mask)
     dq, dk, dv, dbias = xla_impl.backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse.transpose(0, 2, 1))
-    scratch = [jnp.zeros(r.shape, r.dtype) for r in result_types[3:6]]
-    return (dq.astype(jnp.float32), dk, dv, *scratch, _dbias_result(dbias, result_types[6]))
+    scratch = [jnp.zeros(r.shape, r.dtype) for r in result_types[3:7]]
+    return (dq.astype(result_types[0].dtype), dk, dv, *scratch, _dbias_result(dbias, result_types[7]))
 
 
 def install(monkeypatch):

@@ -1,5 +1,7 @@
 // The first kernel of every backward: the per-row statistics the main kernels read, a zeroed dQ
-// accumulator and zeroed dQ turn counters (XLA hands us uninitialised output buffers).
+// accumulator and zeroed dQ turn counters (XLA hands us uninitialised output buffers). The
+// accumulator has B * N * stats_stride * H floats (params.h), which each kernel family lays out
+// its own way, so it is zeroed whole, H floats per statistics row.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,6 +27,11 @@ __global__ void __launch_bounds__(128) bwd_preprocess(const BwdParams p) {
   const int q = row % p.stats_stride;
   const int64_t batch_head = row / p.stats_stride;
   if (p.dq_turns != nullptr && q % 64 == 0 && lane == 0) p.dq_turns[row / 64] = 0;
+  if (lane < kChunks) {
+    float4* acc = reinterpret_cast<float4*>(p.dq_accum + row * kHeadDim + lane * 8);
+    acc[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   if (q >= p.seqlen_q) {
     if (lane == 0) p.delta[row] = 0.f, p.lse_log2[row] = INFINITY;
     return;
@@ -41,9 +48,6 @@ __global__ void __launch_bounds__(128) bwd_preprocess(const BwdParams p) {
       const float2 a = ptx::unpack2<T>(os[i]), b = ptx::unpack2<T>(ds[i]);
       sum += a.x * b.x + a.y * b.y;
     }
-    float4* acc = reinterpret_cast<float4*>(p.dq_accum + offset);
-    acc[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-    acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 #pragma unroll
   for (int mask = 16; mask > 0; mask /= 2) sum += __shfl_xor_sync(0xffffffff, sum, mask);

@@ -66,7 +66,10 @@ struct BwdParams : FwdParams {
   void* dq;
   void* dk;
   void* dv;
-  float* dq_accum;  // [B, T, N, H] float32 scratch owned by XLA (an extra output of the call)
+  // float32 scratch of B * stats_stride * N * H elements owned by XLA (an extra output of the
+  // call), zeroed by bwd_preprocess: [B, T, N, H] for the atomics of the sm80 and d = 256 kernels,
+  // 64 x 64 tiles for the sm90 kernel (sm90/dq_tiles.cuh). A last kernel turns it into dq.
+  float* dq_accum;
   // Per-row statistics, [B, N, stats_stride] float32 scratch with stats_stride >= T a multiple of
   // kStatsRowMultiple, so that every query block's rows are whole and aligned (the sm90 kernel
   // copies them in bulk).

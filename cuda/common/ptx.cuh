@@ -102,6 +102,13 @@ __device__ __forceinline__ void accumulators_to_a(uint32_t (&a)[4], const float 
   a[3] = pack2<T>(hi[2], hi[3]);
 }
 
+// threadIdx.x, read where it is used: the compiler cannot keep it in a register from an earlier read.
+__device__ __forceinline__ uint32_t thread_index() {
+  uint32_t t;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+  return t;
+}
+
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t value) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value));
 }
@@ -110,6 +117,9 @@ __device__ __forceinline__ void st_shared_b16(uint32_t addr, uint16_t value) {
 }
 __device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b));
+}
+__device__ __forceinline__ void st_shared_f32x4(uint32_t addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d));
 }
 __device__ __forceinline__ uint32_t ld_shared_b32(uint32_t addr) {
   uint32_t v;

@@ -197,8 +197,8 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> q_segments,
                     ffi::Buffer<ffi::S32> kv_segments, ffi::Buffer<ffi::S32> q_chunks,
                     ffi::Buffer<ffi::S32> kv_chunks, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
+                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                     ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
-                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                     ffi::Result<ffi::Buffer<ffi::F32>> delta, ffi::Result<ffi::Buffer<ffi::F32>> lse_log2,
                     ffi::Result<ffi::Buffer<ffi::S32>> dq_turns, ffi::Result<ffi::Buffer<ffi::F32>> dbias,
                     float scale, float softcap,
@@ -217,7 +217,7 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   p.lse = const_cast<float*>(lse.typed_data());
   p.dout = dout.untyped_data();
   p.dlse = dlse.typed_data();
-  p.dq_accum = dq_accum->typed_data();
+  p.dq = dq->untyped_data();
   p.dk = dk->untyped_data();
   p.dv = dv->untyped_data();
   // The statistics scratch: [B, N, stats_stride], rows padded to whole query blocks.
@@ -230,6 +230,11 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   p.delta = delta->typed_data();
   p.lse_log2 = lse_log2->typed_data();
   p.stats_stride = static_cast<int>(sd[2]);
+  if (dq_accum->element_count() != size_t(p.batch) * p.stats_stride * p.heads * p.head_dim) {
+    return ffi::Error::InvalidArgument("jax_flash: the dQ accumulator scratch must be [B, padded T, N, H], got " +
+                                       shape_string(dq_accum->dimensions()));
+  }
+  p.dq_accum = dq_accum->typed_data();
   const auto td = dq_turns->dimensions();
   if (td.size() != 3 || td[0] != sd[0] || td[1] != sd[1] || td[2] != sd[2] / 64) {
     return ffi::Error::InvalidArgument("jax_flash: the dq_turns scratch must be [B, N, padded T / 64], got " +
@@ -292,9 +297,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv chunks [B, S / 64, 4] or empty
                                   .Arg<ffi::AnyBuffer>()  // bias, broadcastable to [B, N, T, S], or empty
                                   .Arg<ffi::AnyBuffer>()  // boolean mask, broadcastable to [B, N, T, S], or empty
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dQ accumulator [B, T, N, H]
+                                  .Ret<ffi::AnyBuffer>()  // dQ
                                   .Ret<ffi::AnyBuffer>()  // dK
                                   .Ret<ffi::AnyBuffer>()  // dV
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dQ accumulator scratch [B, T padded, N, H]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // delta scratch [B, N, T padded]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse_log2 scratch [B, N, T padded]
                                   .Ret<ffi::Buffer<ffi::S32>>()  // dq_turns scratch [B, N, T padded / 64]

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "common/bwd_preprocess.cuh"
+#include "common/dq_rows.cuh"
 #include "common/params.h"
 #include "launch/allow_smem.h"
 #include "sm80/bwd_kernels.cuh"
@@ -31,7 +32,8 @@ cudaError_t run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  return launch_dq_from_rows<T>(p, stream);
 }
 
 }  // namespace jax_flash

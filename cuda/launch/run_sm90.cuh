@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "common/bwd_preprocess.cuh"
+#include "common/dq_rows.cuh"
 #include "common/params.h"
 #include "launch/allow_smem.h"
 #include "launch/tensor_map.h"
@@ -71,10 +72,10 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim>, kVariant>(p, stream);
 }
 
-// Cfg: BwdConfig (bwd_kernel) or, at H = 256, BwdWideConfig (bwd_wide_kernel, which adds dQ with
-// red.global.add and reads no dq_accum map).
+// Cfg: BwdConfig (bwd_kernel, whose dQ accumulator is tiled) or, at H = 256, BwdWideConfig
+// (bwd_wide_kernel, which adds dQ to [B, T, N, H] rows with red.global.add).
 template <typename Cfg, typename Kernel>
-cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream, Kernel kernel) {
+cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream, Kernel kernel, bool dq_tiled) {
   using T = typename Cfg::T;
   constexpr int kHeadDim = Cfg::kHeadDim;
   if (cudaError_t e = launch_bwd_preprocess<T, kHeadDim>(p, stream); e != cudaSuccess) return e;
@@ -86,25 +87,24 @@ cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream, Kernel kern
            make_tensor_map_bthd(&maps.v, p.v, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
            make_tensor_map_bthd(&maps.dk, p.dk, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, 64),
            make_tensor_map_bthd(&maps.dv, p.dv, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, 64),
-           make_tensor_map_bthd_f32(&maps.dq_accum, p.dq_accum, p.batch, p.seqlen_q, p.heads, kHeadDim, 64),
        }) {
     if (e != cudaSuccess) return e;
   }
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
-  return cudaGetLastError();
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  return dq_tiled ? sm90::launch_dq_from_tiles<T>(p, stream) : launch_dq_from_rows<T>(p, stream);
 }
 
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   if constexpr (kHeadDim == 256) {
     using Cfg = sm90::BwdWideConfig<T>;
-    return launch_bwd_sm90<Cfg>(p, stream, sm90::bwd_wide_kernel<Cfg, kVariant>);
+    return launch_bwd_sm90<Cfg>(p, stream, sm90::bwd_wide_kernel<Cfg, kVariant>, false);
   } else {
     using Cfg = sm90::BwdConfig<T, kHeadDim>;
-    static_assert(Cfg::kDqRows == 64, "the dq_accum map's box");
-    return launch_bwd_sm90<Cfg>(p, stream, sm90::bwd_kernel<Cfg, kVariant>);
+    return launch_bwd_sm90<Cfg>(p, stream, sm90::bwd_kernel<Cfg, kVariant>, true);
   }
 }
 

@@ -44,9 +44,4 @@ cudaError_t make_tensor_map_bthd(CUtensorMap* map, const void* data, int batch, 
   return encode_bthd(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, data, batch, rows, heads, head_dim, box_rows);
 }
 
-cudaError_t make_tensor_map_bthd_f32(CUtensorMap* map, const float* data, int batch, int rows, int heads,
-                                     int head_dim, int box_rows) {
-  return encode_bthd(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, data, batch, rows, heads, head_dim, box_rows);
-}
-
 }  // namespace jax_flash

@@ -12,7 +12,5 @@ namespace jax_flash {
 // cudaErrorInvalidValue when the driver refuses it.
 cudaError_t make_tensor_map_bthd(CUtensorMap* map, const void* data, int batch, int rows, int heads,
                                  int head_dim, int box_rows);  // 16-bit elements
-cudaError_t make_tensor_map_bthd_f32(CUtensorMap* map, const float* data, int batch, int rows, int heads,
-                                     int head_dim, int box_rows);
 
 }  // namespace jax_flash

@@ -13,9 +13,9 @@
 // Computing S and dP transposed (keys as rows) puts P^T and dS^T in registers in the layout of a
 // wgmma A operand, so dV and dK need no trip through shared memory; only dQ, whose rows are
 // queries, reads dS from there. dQ needs every key block's share: each consumer writes its
-// 64 x 64 fp32 part to shared memory (two buffers) and the producer's dQ thread adds it to the fp32
-// accumulator in global memory with a TMA reduce-add (one bulk atomic per tile instead of one per
-// element pair), so the consumers never wait for the adds.
+// 64 x 64 fp32 part to shared memory (two buffers) in the order of its accumulator registers, and
+// the producer's dQ thread adds it to the fp32 accumulator in global memory, tiled in the same
+// order (sm90/dq_tiles.cuh), with one bulk reduce-add, so the consumers never wait for the adds.
 // The two consumers split dQ (kBlockM x H) into two 64 x 64 parts, each over all 128 keys, so the
 // dS^T of both must be in shared memory (a barrier across the two): at H = 128 by columns, at
 // H = 64 (128-query steps) by rows. Each step then adds one kBlockM x H tile to global memory;
@@ -37,6 +37,7 @@
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
 #include "sm90/bwd_stages.cuh"
+#include "sm90/dq_tiles.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -65,9 +66,8 @@ struct BwdConfig {
   // consumer's rows (one step's dQ may still read one while the next step writes the other).
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
   static constexpr int kDsBuffers = 2;
-  // A consumer's dQ part: 64 rows x 64 columns fp32, two 32-column panels.
-  static constexpr int kDqRows = 64;
-  static constexpr int kDqBytes = kDqRows * 64 * 4;
+  // A consumer's dQ part: one 64 x 64 fp32 tile of the accumulator (sm90/dq_tiles.cuh).
+  static constexpr int kDqBytes = DqTiles::kFloats * 4;
   static constexpr int kDqBuffers = kBlockM == 64 ? 2 : 1;  // per consumer, as shared memory allows
   // Offsets from the 1024-byte aligned base (the swizzle repeats every 1024 bytes).
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDo = kQ + kStages * kQBytes;
@@ -145,9 +145,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x == 0 && walk.steps > 0) {
       produce_bwd_stages<Cfg>(maps, p, walk, barriers, base_addr, batch, kv_head, k_first);
     } else if (threadIdx.x == 32) {
-      // The dQ adds, in the consumers' order; TMA clips rows past seqlen_q. In deterministic mode
-      // each waits for the turn of this key block (common/bwd_walk.cuh) and is complete before
-      // the turn passes on.
+      // The dQ adds, in the consumers' order; rows past seqlen_q go to the accumulator's padding.
+      // In deterministic mode each waits for the turn of this key block (common/bwd_walk.cuh) and
+      // is complete before the turn passes on.
       BwdStep step = BwdStep::first(walk, kv_head * group);
       for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
         const int buffer = s % Cfg::kDqBuffers, use = s / Cfg::kDqBuffers;
@@ -159,11 +159,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         for (int c = 0; c < Cfg::kConsumers; ++c) {
           ptx::mbarrier_wait(dq_full(c, buffer), use & 1);
-          for (int panel = 0; panel < 2; ++panel) {
-            ptx::tma_reduce_add_4d(&maps.dq_accum, sDq(c, buffer) + panel * Cfg::kDqRows * 128,
-                                   Cfg::dq_column0(c) + panel * 32, step.head,
-                                   step.m_block * kBlockM + Cfg::dq_row0(c), batch);
-          }
+          const int row_block = (step.m_block * kBlockM + Cfg::dq_row0(c)) / DqTiles::kRows;
+          ptx::bulk_reduce_add_f32(p.dq_accum + DqTiles::tile(p, batch, step.head, row_block, Cfg::dq_column0(c) / 64),
+                                   sDq(c, buffer), Cfg::kDqBytes);
         }
         ptx::tma_store_commit();
         if (turn != nullptr) {
@@ -348,17 +346,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::fence_registers(pa);
     ptx::fence_registers(dq);
 
-    // dQ to shared memory (two 32-column panels, swizzled as the fp32 tensor map expects), for the
-    // producer's dQ thread to add.
+    // dQ to shared memory in the accumulator's tile order (sm90/dq_tiles.cuh), for the producer's
+    // dQ thread to add.
     const int dq_buffer = s % Cfg::kDqBuffers, dq_use = s / Cfg::kDqBuffers;
     if (dq_use > 0) ptx::mbarrier_wait(dq_empty(consumer, dq_buffer), (dq_use - 1) & 1);
-    const uint32_t sDq_part = sDq(consumer, dq_buffer);
+    // The thread index read again here (not kept from the top): one register fewer across the
+    // step, which at H = 64 made ptxas spill 16 bytes.
+    const uint32_t sDq_part = sDq(consumer_uniform, dq_buffer) + ptx::thread_index() % 128 * 16;
 #pragma unroll
-    for (int i = 0; i < 32; i += 2) {
-      const int row = warp * 16 + accum_row(i), col = accum_col(i);
-      const uint32_t addr =
-          sDq_part + (col / 32) * Cfg::kDqRows * 128 + ptx::sw128_offset(row, (col % 32) / 4) + (col % 4) * 4;
-      ptx::st_shared_f32x2(addr, dq[i], dq[i + 1]);
+    for (int c = 0; c < 8; ++c) {
+      ptx::st_shared_f32x4(sDq_part + DqTiles::chunk(c, 0) * 16, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2],
+                           dq[4 * c + 3]);
     }
     ptx::fence_proxy_async_shared();
     ptx::mbarrier_arrive(dq_full(consumer, dq_buffer));

@@ -16,9 +16,9 @@
 namespace jax_flash::sm90 {
 
 // [batch, row, head, column] views (tensor_map.h): q and dO in boxes of kBlockM rows, k and v of
-// kBlockN, dk and dv of 64 (a consumer's), the fp32 dQ accumulator of 64 rows x 32 columns.
+// kBlockN, dk and dv of 64 (a consumer's).
 struct BwdTensorMaps {
-  CUtensorMap q, dout, k, v, dk, dv, dq_accum;
+  CUtensorMap q, dout, k, v, dk, dv;
 };
 
 // 8-byte mbarriers from `first`: K and V loaded, then per stage Q (+ lse) and dO (+ delta)
