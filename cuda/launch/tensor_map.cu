@@ -21,8 +21,11 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   return fn;
 }
 
-cudaError_t encode_bthd(CUtensorMap* map, CUtensorMapDataType type, cuuint64_t elem_bytes, const void* data,
-                        int batch, int rows, int heads, int head_dim, int box_rows) {
+}  // namespace
+
+cudaError_t make_tensor_map_bthd(CUtensorMap* map, const void* data, int batch, int rows, int heads,
+                                 int head_dim, int box_rows) {
+  constexpr cuuint64_t elem_bytes = 2;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
   if (encode == nullptr) return cudaErrorNotSupported;
   // Innermost dimension first: column, head, row, batch.
@@ -31,17 +34,10 @@ cudaError_t encode_bthd(CUtensorMap* map, CUtensorMapDataType type, cuuint64_t e
                                  cuuint64_t(rows) * heads * head_dim * elem_bytes};
   const cuuint32_t box[4] = {cuuint32_t(128 / elem_bytes), 1, cuuint32_t(box_rows), 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult status = encode(map, type, 4, const_cast<void*>(data), dims, strides, box, element_strides,
-                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  const CUresult status = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(data), dims, strides,
+                                 box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return status == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
-}  // namespace
-
-cudaError_t make_tensor_map_bthd(CUtensorMap* map, const void* data, int batch, int rows, int heads,
-                                 int head_dim, int box_rows) {
-  return encode_bthd(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, data, batch, rows, heads, head_dim, box_rows);
 }
 
 }  // namespace jax_flash

@@ -7,7 +7,7 @@
 namespace jax_flash {
 
 // A 4-d view [batch, rows, heads, head_dim] of a contiguous tensor, copied in boxes of `box_rows`
-// rows x 128 bytes of one head's columns (64 16-bit or 32 float elements), with the 128-byte
+// rows x 128 bytes of one head's columns (64 16-bit elements), with the 128-byte
 // shared-memory swizzle. Rows past the end read as zeros and are not written.
 // cudaErrorInvalidValue when the driver refuses it.
 cudaError_t make_tensor_map_bthd(CUtensorMap* map, const void* data, int batch, int rows, int heads,

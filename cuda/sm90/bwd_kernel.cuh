@@ -350,12 +350,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // dQ thread to add.
     const int dq_buffer = s % Cfg::kDqBuffers, dq_use = s / Cfg::kDqBuffers;
     if (dq_use > 0) ptx::mbarrier_wait(dq_empty(consumer, dq_buffer), (dq_use - 1) & 1);
-    // The thread index read again here (not kept from the top): one register fewer across the
-    // step, which at H = 64 made ptxas spill 16 bytes.
-    const uint32_t sDq_part = sDq(consumer_uniform, dq_buffer) + ptx::thread_index() % 128 * 16;
+    // The thread index read again here rather than kept from the top of the kernel: kept, it held
+    // a register across the step and ptxas spilled 16 bytes at H = 64 (12 this way).
+    const int t = ptx::thread_index() % 128;
+    const uint32_t sDq_part = sDq(consumer_uniform, dq_buffer);
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
-      ptx::st_shared_f32x4(sDq_part + DqTiles::chunk(c, 0) * 16, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2],
+      ptx::st_shared_f32x4(sDq_part + DqTiles::chunk(c, t) * 16, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2],
                            dq[4 * c + 3]);
     }
     ptx::fence_proxy_async_shared();

@@ -45,7 +45,8 @@ __global__ void __launch_bounds__(128) dq_from_tiles(const BwdParams p) {
   const int row0 = row_block * DqTiles::kRows;
   if (row0 >= p.seqlen_q) return;
   const int t = threadIdx.x, warp = t / 32, lane = t % 32;
-  const float4* tile = reinterpret_cast<const float4*>(p.dq_accum + DqTiles::tile(p, batch, head, row_block, col_block));
+  const float4* tile =
+      reinterpret_cast<const float4*>(p.dq_accum + DqTiles::tile(p, batch, head, row_block, col_block));
   const uint32_t staged = ptx::smem_addr(staging);
 #pragma unroll
   for (int c = 0; c < DqTiles::kCols / 8; ++c) {
@@ -62,7 +63,8 @@ __global__ void __launch_bounds__(128) dq_from_tiles(const BwdParams p) {
   for (int i = t; i < DqTiles::kRows * 8; i += 128) {
     const int row = i / 8, chunk = i % 8;
     if (row0 + row < p.seqlen_q) {
-      *reinterpret_cast<uint4*>(dq + row * row_stride + chunk * 8) = ptx::ld_shared_v4(staged + row * kRowBytes + chunk * 16);
+      *reinterpret_cast<uint4*>(dq + row * row_stride + chunk * 8) =
+          ptx::ld_shared_v4(staged + row * kRowBytes + chunk * 16);
     }
   }
 }
