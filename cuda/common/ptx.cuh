@@ -115,9 +115,6 @@ __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t value) {
 __device__ __forceinline__ void st_shared_b16(uint32_t addr, uint16_t value) {
   asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(addr), "h"(value));
 }
-__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float a, float b) {
-  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b));
-}
 __device__ __forceinline__ void st_shared_f32x4(uint32_t addr, float a, float b, float c, float d) {
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d));
 }

@@ -186,8 +186,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int consumer_uniform = __shfl_sync(0xffffffff, consumer, 0);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int key0 = k_first + consumer * 64;
-  // Accumulator element i of an m64nN tile: row (key, or query for dQ) warp * 16 + accum_row(i),
-  // column accum_col(i).
+  // Accumulator element i of an m64nN tile of keys: row warp * 16 + accum_row(i), column
+  // accum_col(i). (dQ's tile leaves in register order, sm90/dq_tiles.cuh.)
   auto accum_row = [&](int i) { return ((i % 4) / 2) * 8 + lane / 4; };
   auto accum_col = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
   const auto logits = Logits<cap_of(kVariant)>::from(p);
