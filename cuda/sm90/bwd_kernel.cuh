@@ -124,8 +124,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int group = p.heads / p.kv_heads;
   const int k_first = n_block * kBlockN;
   const Band band = Band::from<kMasked>(p, batch);
-  const BwdWalk walk = BwdWalk::make(p.dq_turns ? band.without_segments() : band, k_first, k_first + kBlockN - 1,
-                                     kBlockM, group);
+  // Made in each warp group's branch, after its setmaxnreg: made once before the branches, its
+  // bounds were live across the producer's 24-register section and ptxas spilled them.
+  auto make_walk = [&] {
+    return BwdWalk::make(p.dq_turns ? band.without_segments() : band, k_first, k_first + kBlockN - 1, kBlockM, group);
+  };
 
   if (threadIdx.x == 0) {
     barriers.init(kConsumerThreads);
@@ -142,6 +145,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (warp_group == 0) {
     // Producer: one thread copies the stages (bwd_stages.cuh), another adds the dQ parts.
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    const BwdWalk walk = make_walk();
     if (threadIdx.x == 0 && walk.steps > 0) {
       produce_bwd_stages<Cfg>(maps, p, walk, barriers, base_addr, batch, kv_head, k_first);
     } else if (threadIdx.x == 32) {
@@ -179,6 +183,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   // Consumers: this one's keys are rows consumer * 64 .. + 63 of the K and V tiles.
   ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const BwdWalk walk = make_walk();
   const int consumer = warp_group - 1;
   // The same, broadcast from lane 0 so that the compiler knows it is uniform across the warp: the
   // wgmma descriptors built from it then stay in uniform registers (docs/PERF.md, B8). Only the
@@ -242,9 +247,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int n = 0; n < kBlockM / 8; ++n) v[n] = stats_of_tile(stats, n);
     };
-    // Read while the products run, except with a cap, whose variant has no registers for them.
+    // Read while the products run, except with a cap or 128-query steps, which have no registers
+    // for them.
+    constexpr bool kEarlyLse = !kSoftcap && kBlockM == 64;
     float2 lse[kBlockM / 8];
-    if constexpr (!kSoftcap) load_stats(sLse(stage), lse);
+    if constexpr (kEarlyLse) load_stats(sLse(stage), lse);
 
     // P^T, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
     ptx::wgmma_wait<kSoftcap ? 0 : 1>();
@@ -276,7 +283,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
 #pragma unroll
     for (int n = 0; n < kBlockM / 8; ++n) {
-      const float2 l = kSoftcap ? stats_of_tile(sLse(stage), n) : lse[n];
+      const float2 l = kEarlyLse ? lse[n] : stats_of_tile(sLse(stage), n);
 #pragma unroll
       for (int i = 4 * n; i < 4 * n + 4; ++i) st[i] = ptx::exp2(st[i] * scale_log2 - (i % 2 ? l.y : l.x));
     }
