@@ -65,7 +65,7 @@ def _window_attrs(config) -> dict:
 # the mma.sync kernels elsewhere) or "sm80" (the mma.sync kernels everywhere, so that they stay
 # tested on Hopper).
 KERNELS_ENV = "JAX_FLASH_KERNELS"
-_STATS_ROW_MULTIPLE = 128  # kStatsRowMultiple in cuda/common/params.h
+_STATS_ROW_MULTIPLE = 640  # kStatsRowMultiple in cuda/common/params.h
 _KERNEL_FAMILIES = {"best": 0, "sm80": 80}
 
 

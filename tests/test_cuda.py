@@ -106,9 +106,10 @@ def test_gqa_and_windows(n, kv_heads, window):
     check(jnp.bfloat16, 2, 500, 700, n, kv_heads, 64, local_window_size=window)
 
 
-@pytest.mark.parametrize("window", [(64, 0), (100, 30)])
+@pytest.mark.parametrize("window", [None, (64, 0), (100, 30)])
 def test_windows_at_128(window):
-    """The sm80 forward's 128-row tiles at H = 128 (traits.cuh) with bands, T != S and GQA."""
+    """H = 128 with bands, T != S and GQA: the sm80 forward's 128-row tiles (traits.cuh) and, without
+    a band, the sm90 backward's 80-query steps (run_sm90.cuh)."""
     check(jnp.bfloat16, 2, 500, 700, 4, 2, 128, local_window_size=window)
 
 

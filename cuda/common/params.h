@@ -57,8 +57,9 @@ struct FwdParams {
   int* tile_counter;
 };
 
-// The largest query block of a backward kernel: the statistics rows are padded to a multiple.
-constexpr int kStatsRowMultiple = 128;
+// A multiple of every backward kernel's query block (64, 80, 128): the statistics rows are padded
+// to a multiple of it.
+constexpr int kStatsRowMultiple = 640;
 
 struct BwdParams : FwdParams {
   const void* dout;

@@ -72,10 +72,10 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim>, kVariant>(p, stream);
 }
 
-// Cfg: BwdConfig (bwd_kernel, whose dQ accumulator is tiled) or, at H = 256, BwdWideConfig
-// (bwd_wide_kernel, which adds dQ to [B, T, N, H] rows with red.global.add).
-template <typename Cfg, typename Kernel>
-cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream, Kernel kernel, bool dq_tiled) {
+// Cfg: BwdConfig (bwd_kernel, whose dQ accumulator is tiled as Cfg::Dq) or, at H = 256,
+// BwdWideConfig (bwd_wide_kernel, which adds dQ to [B, T, N, H] rows with red.global.add).
+template <typename Cfg, bool kDqTiled, typename Kernel>
+cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream, Kernel kernel) {
   using T = typename Cfg::T;
   constexpr int kHeadDim = Cfg::kHeadDim;
   if (cudaError_t e = launch_bwd_preprocess<T, kHeadDim>(p, stream); e != cudaSuccess) return e;
@@ -94,17 +94,29 @@ cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream, Kernel kern
   const dim3 grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  return dq_tiled ? sm90::launch_dq_from_tiles<T>(p, stream) : launch_dq_from_rows<T>(p, stream);
+  if constexpr (kDqTiled) {
+    return sm90::launch_dq_from_tiles<T, typename Cfg::Dq>(p, stream);
+  } else {
+    return launch_dq_from_rows<T>(p, stream);
+  }
 }
 
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   if constexpr (kHeadDim == 256) {
     using Cfg = sm90::BwdWideConfig<T>;
-    return launch_bwd_sm90<Cfg>(p, stream, sm90::bwd_wide_kernel<Cfg, kVariant>, false);
+    return launch_bwd_sm90<Cfg, false>(p, stream, sm90::bwd_wide_kernel<Cfg, kVariant>);
   } else {
+    // H = 128 without masks, band or deterministic mode (whose turns count 64-row blocks):
+    // 80-query steps, FlashAttention-3's non-causal tile.
+    if constexpr (kHeadDim == 128 && kVariant == Variant::kPlain) {
+      if (p.window_left < 0 && p.window_right < 0 && p.dq_turns == nullptr) {
+        using Cfg = sm90::BwdConfig<T, kHeadDim, 80>;
+        return launch_bwd_sm90<Cfg, true>(p, stream, sm90::bwd_kernel<Cfg, kVariant>);
+      }
+    }
     using Cfg = sm90::BwdConfig<T, kHeadDim>;
-    return launch_bwd_sm90<Cfg>(p, stream, sm90::bwd_kernel<Cfg, kVariant>, true);
+    return launch_bwd_sm90<Cfg, true>(p, stream, sm90::bwd_kernel<Cfg, kVariant>);
   }
 }
 

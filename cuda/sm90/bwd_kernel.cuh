@@ -1,26 +1,26 @@
 // FlashAttention backward on Hopper (sm_90a): TMA, mbarriers, wgmma, warp specialisation.
 //
 // A CTA owns kBlockN = 128 keys of one kv head and walks every query block that can see them
-// (common/bwd_walk.cuh), 64 query rows a step, keeping dK and dV of its keys in registers. Warp
-// group 0 is the producer: one thread copies K and V once, then each step's Q, dO, lse and delta
-// into kStages stages by TMA, completing on "full" mbarriers; one thread of another warp adds the
-// consumers' dQ parts to global memory. Warp groups 1 and 2 are consumers of 64 keys each. Per
-// step a consumer computes, all by wgmma with fp32 accumulators:
+// (common/bwd_walk.cuh), kBlockM query rows a step (BwdConfig), keeping dK and dV of its keys in
+// registers. Warp group 0 is the producer: one thread copies K and V once, then each step's Q,
+// dO, lse and delta into kStages stages by TMA, completing on "full" mbarriers; one thread of
+// another warp adds the consumers' dQ parts to global memory. Warp groups 1 and 2 are consumers
+// of 64 keys each. Per step a consumer computes, all by wgmma with fp32 accumulators:
 //   S^T  = K Q^T    and  dP^T = V dO^T      (both operands in shared memory)
 //   P^T  = exp2(S^T * scale * log2 e - lse_log2),  dS^T = P^T (dP^T - delta) * scale
 //   dV  += P^T dO   and  dK  += dS^T Q      (P^T, dS^T from registers)
-//   dQ   = dS K                             (dS^T through shared memory)
+//   dQ   = dS K, or dQ^T = K^T dS^T         (dS^T or dS through shared memory)
 // Computing S and dP transposed (keys as rows) puts P^T and dS^T in registers in the layout of a
 // wgmma A operand, so dV and dK need no trip through shared memory; only dQ, whose rows are
-// queries, reads dS from there. dQ needs every key block's share: each consumer writes its
-// 64 x 64 fp32 part to shared memory (two buffers) in the order of its accumulator registers, and
-// the producer's dQ thread adds it to the fp32 accumulator in global memory, tiled in the same
-// order (sm90/dq_tiles.cuh), with one bulk reduce-add, so the consumers never wait for the adds.
-// The two consumers split dQ (kBlockM x H) into two 64 x 64 parts, each over all 128 keys, so the
-// dS^T of both must be in shared memory (a barrier across the two): at H = 128 by columns, at
-// H = 64 (128-query steps) by rows. Each step then adds one kBlockM x H tile to global memory;
-// with each consumer's part over its own keys only, it added two, and at H = 64 those reduces
-// (64 KB a step) were the backward's heaviest traffic.
+// queries, reads dS from there. dQ needs every key block's share: each consumer writes its fp32
+// part to shared memory in the order of its accumulator registers, and the producer's dQ thread
+// adds it to the fp32 accumulator in global memory, tiled in the same order (sm90/dq_tiles.cuh),
+// with one bulk reduce-add, so the consumers never wait for the adds. The two consumers split dQ
+// (kBlockM x H) into two parts, each over all 128 keys, so the dS of both must be in shared memory
+// (a barrier across the two): 64 x 64 at H = 128 by columns, at H = 64 (128-query steps) by rows;
+// with 80-query steps (dQ^T) 80 x 64 by columns. Each step then adds one kBlockM x H tile to
+// global memory; with each consumer's part over its own keys only, it added two, and at H = 64
+// those reduces (64 KB a step) were the backward's heaviest traffic.
 //
 // Shared-memory tiles are the layout TMA writes with the 128-byte swizzle: 64-column panels of
 // 128-byte rows (sm90/fwd_kernel.cuh); wgmma reads them K-major or MN-major through descriptors.
@@ -41,7 +41,7 @@
 
 namespace jax_flash::sm90 {
 
-template <typename T_, int kHeadDim_>
+template <typename T_, int kHeadDim_, int kBlockM_ = kHeadDim_ == 64 ? 128 : 64>
 struct BwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -50,24 +50,35 @@ struct BwdConfig {
   static constexpr int kBlockN = 64 * kConsumers;
   // Query rows a step: 128 at H = 64, where the products of 64 rows are too small to keep the
   // tensor cores busy (S^T then takes 64 registers, which H = 128's dK and dV leave no room for).
-  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
-  static_assert(kBlockM <= kStatsRowMultiple, "statistics rows are padded to whole query blocks");
+  // At H = 128 64, or 80 without masks (FlashAttention-3's non-causal tile, run_sm90.cuh): each
+  // step's fixed costs spread over 25% more rows, in 8 more registers for S^T and for dP^T.
+  static constexpr int kBlockM = kBlockM_;
+  static_assert(kStatsRowMultiple % kBlockM == 0, "statistics rows are padded to whole query blocks");
   static constexpr int kStages = 2;
-  // A consumer's dQ part: 64 x 64, rows first (kBlockM / 64 parts a column panel).
-  static_assert((kBlockM / 64) * (kHeadDim / 64) == kConsumers, "one 64 x 64 dQ part a consumer");
-  static constexpr int dq_row0(int consumer) { return (consumer % (kBlockM / 64)) * 64; }
-  static constexpr int dq_column0(int consumer) { return (consumer / (kBlockM / 64)) * 64; }
+  // A consumer's dQ part. With 64 or 128 query rows, a 64 x 64 part of dQ = dS K, rows first
+  // (kBlockM / 64 parts a column panel). With 80, whose rows are no wgmma M, dQ^T = K^T dS^T:
+  // each consumer takes 64 columns of dQ over all rows, and dS goes to shared memory untransposed.
+  static constexpr bool kDqTransposed = kBlockM % 64 != 0;
+  static_assert(kDqTransposed ? kHeadDim == 64 * kConsumers : (kBlockM / 64) * (kHeadDim / 64) == kConsumers,
+                "one dQ part a consumer");
+  using Dq = DqTiles<kDqTransposed ? kBlockM : 64, kDqTransposed>;
+  static constexpr int dq_row0(int consumer) { return kDqTransposed ? 0 : (consumer % (kBlockM / 64)) * 64; }
+  static constexpr int dq_column0(int consumer) { return (kDqTransposed ? consumer : consumer / (kBlockM / 64)) * 64; }
+  // Deterministic mode counts dQ turns per 64 query rows (common/bwd_walk.cuh).
+  static constexpr bool kDeterministic = kBlockM % 64 == 0;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one stage of Q or dO
   static constexpr int kStatBytes = kBlockM * 4;           // one stage of lse_log2 or delta
-  // dS^T: 64-query panels of 128-byte rows (keys). Two buffers, since dQ reads the other
-  // consumer's rows (one step's dQ may still read one while the next step writes the other).
+  // dS^T: 64-query panels of 128-byte rows (keys); with kDqTransposed dS: 64-key panels of
+  // 128-byte rows (queries). Two buffers, since dQ reads the other consumer's part (one step's
+  // dQ may still read one while the next step writes the other).
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
+  static constexpr int kDsPanelBytes = (kDqTransposed ? kBlockM : kBlockN) * 128;
   static constexpr int kDsBuffers = 2;
-  // A consumer's dQ part: one 64 x 64 fp32 tile of the accumulator (sm90/dq_tiles.cuh).
-  static constexpr int kDqBytes = DqTiles::kFloats * 4;
+  // A consumer's dQ part: one fp32 tile of the accumulator (sm90/dq_tiles.cuh).
+  static constexpr int kDqBytes = Dq::kFloats * 4;
   static constexpr int kDqBuffers = kBlockM == 64 ? 2 : 1;  // per consumer, as shared memory allows
   // Offsets from the 1024-byte aligned base (the swizzle repeats every 1024 bytes).
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDo = kQ + kStages * kQBytes;
@@ -156,15 +167,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
         const int buffer = s % Cfg::kDqBuffers, use = s / Cfg::kDqBuffers;
         int* turn = nullptr;
-        if (p.dq_turns != nullptr) {
+        if (Cfg::kDeterministic && p.dq_turns != nullptr) {
           turn = wait_dq_turn(p.dq_turns + (int64_t(batch) * p.heads + step.head) * (p.stats_stride / 64),
                               band.without_segments(), step.m_block, n_block, kBlockM, kBlockN);
           ptx::fence_proxy_async_global();
         }
         for (int c = 0; c < Cfg::kConsumers; ++c) {
           ptx::mbarrier_wait(dq_full(c, buffer), use & 1);
-          const int row_block = (step.m_block * kBlockM + Cfg::dq_row0(c)) / DqTiles::kRows;
-          ptx::bulk_reduce_add_f32(p.dq_accum + DqTiles::tile(p, batch, step.head, row_block, Cfg::dq_column0(c) / 64),
+          const int row_block = (step.m_block * kBlockM + Cfg::dq_row0(c)) / Cfg::Dq::kRows;
+          ptx::bulk_reduce_add_f32(p.dq_accum + Cfg::Dq::tile(p, batch, step.head, row_block, Cfg::dq_column0(c) / 64),
                                    sDq(c, buffer), Cfg::kDqBytes);
         }
         ptx::tma_store_commit();
@@ -294,10 +305,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int j = 0; j < 4; ++j) pa[kk][j] = ptx::pack2<T>(st[8 * kk + 2 * j], st[8 * kk + 2 * j + 1]);
 
-    if constexpr (!kSoftcap) {
-      load_stats(sDelta(stage), delta);
+    // delta * scale, read before dV is issued, except with a cap (folded into dpt above) or 80-query
+    // steps (read where dS^T needs them, for registers).
+    constexpr bool kEarlyDelta = !kSoftcap && !Cfg::kDqTransposed;
+    auto scaled_delta = [&](int n) {
+      const float2 d = stats_of_tile(sDelta(stage), n);
+      return float2{d.x * p.scale, d.y * p.scale};
+    };
+    if constexpr (kEarlyDelta) {
 #pragma unroll
-      for (int n = 0; n < kBlockM / 8; ++n) delta[n] = float2{delta[n].x * p.scale, delta[n].y * p.scale};
+      for (int n = 0; n < kBlockM / 8; ++n) delta[n] = scaled_delta(n);
     }
 
     // dV += P^T dO.
@@ -309,39 +326,67 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::wgmma_wait<1>();
     ptx::fence_registers(dpt);
     uint32_t dsa[kBlockM / 16][4];
-    // To shared memory for dQ (row = key of the CTA's 128, 16-byte chunk = 8 queries), by
-    // stmatrix: dsa[kk][m] is the 8 x 8 tile of rows (m % 2) * 8 of this warp's 16 and chunk
-    // 2 kk + m / 2, and lane 8 m + r gives the address of that tile's row r.
-    const int ds_row = consumer * 64 + warp * 16 + ((lane / 8) % 2) * 8 + lane % 8;
-    const uint32_t ds_row_addr = ds_buffer + ds_row * 128;
-    // ptx::sw128_offset(ds_row, 2 kk + m / 2) with the swizzle hoisted out of the loop:
-    // (2 kk + m / 2) ^ (row % 8) = 2 kk ^ (m / 2 ^ row % 8), one XOR a tile (the helper cost 8
-    // more instructions a step at H = 64).
-    const uint32_t ds_chunk_bits = ((lane / 16) ^ (ds_row % 8)) * 16;
+    // dsa[kk][m] is the 8 x 8 tile of keys (m % 2) * 8 of this warp's 16 and queries
+    // (2 kk + m / 2) * 8: to shared memory for dQ by stmatrix, lane 8 m + r giving the address of
+    // the tile's row r in memory.
+    const int m = lane / 8, r = lane % 8;
+    uint32_t ds_lane_addr, ds_chunk_bits = 0;
+    if constexpr (Cfg::kDqTransposed) {
+      // dS (row = query, 16-byte chunk = 8 keys: this consumer's keys are its own 64-key panel),
+      // the tiles transposed: row r of tile m is query kk * 16 + (m / 2) * 8 + r, whose row in
+      // its group of 8 is r, so the swizzle is the same at every kk.
+      ds_lane_addr = ds_buffer + consumer * Cfg::kDsPanelBytes + ((m / 2) * 8 + r) * 128 + (((warp * 2 + m % 2) ^ r) * 16);
+    } else {
+      // dS^T (row = key of the CTA's 128, 16-byte chunk = 8 queries). ptx::sw128_offset(row,
+      // 2 kk + m / 2) with the swizzle hoisted out of the loop: (2 kk + m / 2) ^ (row % 8) =
+      // 2 kk ^ (m / 2 ^ row % 8), one XOR a tile (the helper cost 8 more instructions a step at
+      // H = 64).
+      const int ds_row = consumer * 64 + warp * 16 + (m % 2) * 8 + r;
+      ds_lane_addr = ds_buffer + ds_row * 128;
+      ds_chunk_bits = ((m / 2) ^ r) * 16;
+    }
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int i = 8 * kk + 2 * j;  // elements i, i + 1: one row, two adjacent queries
         const float2 prob = ptx::unpack2<T>(pa[kk][j]);
-        const float2 d = kSoftcap ? float2{0.f, 0.f} : delta[i / 4];
+        const float2 d = kSoftcap ? float2{0.f, 0.f} : kEarlyDelta ? delta[i / 4] : scaled_delta(i / 4);
         dsa[kk][j] = ptx::pack2<T>(prob.x * fmaf(dpt[i], p.scale, -d.x), prob.y * fmaf(dpt[i + 1], p.scale, -d.y));
       }
-      ptx::stmatrix_x4(ds_row_addr + (kk / 4) * kBlockN * 128 + (((2 * kk) % 8 * 16) ^ ds_chunk_bits), dsa[kk][0],
-                       dsa[kk][1], dsa[kk][2], dsa[kk][3]);
+      if constexpr (Cfg::kDqTransposed) {
+        ptx::stmatrix_x4_trans(ds_lane_addr + kk * 2048, dsa[kk][0], dsa[kk][1], dsa[kk][2], dsa[kk][3]);
+      } else {
+        ptx::stmatrix_x4(ds_lane_addr + (kk / 4) * Cfg::kDsPanelBytes + (((2 * kk) % 8 * 16) ^ ds_chunk_bits),
+                         dsa[kk][0], dsa[kk][1], dsa[kk][2], dsa[kk][3]);
+      }
     }
 
-    // This consumer's dQ part = dS K over all the CTA's keys: dS^T (keys x queries in shared
-    // memory) is A MN-major, K is B MN-major.
-    ptx::fence_proxy_async_shared();  // the dS^T stores, before wgmma reads them
+    // This consumer's dQ part over all the CTA's keys.
+    ptx::fence_proxy_async_shared();  // the dS stores, before wgmma reads them
     ptx::named_barrier_sync(3, kConsumerThreads);
-    float dq[32];
+    float dq[Cfg::Dq::kChunks * 4];
     ptx::wgmma_fence();
-    const uint64_t ds_desc = ptx::smem_desc_sw128(ds_buffer + (Cfg::dq_row0(consumer_uniform) / 64) * kBlockN * 128, 0);
-    const uint64_t k_desc = ptx::smem_desc_sw128(sK + (Cfg::dq_column0(consumer_uniform) / 64) * kBlockN * 128, 0);
+    if constexpr (Cfg::kDqTransposed) {
+      // dQ^T = K^T dS^T: K^T (this consumer's 64-column panel of K) is A MN-major, dS^T is B
+      // K-major (dS rows are queries, in 64-key panels).
+      const uint64_t k_desc = ptx::smem_desc_sw128(sK + (Cfg::dq_column0(consumer_uniform) / 64) * kBlockN * 128, 0);
+      const uint64_t ds_desc = ptx::smem_desc_sw128(ds_buffer, 0);
 #pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks) {
-      ptx::wgmma_ss<1, 1>(dq, ptx::desc_advance(ds_desc, ks * 2048), ptx::desc_advance(k_desc, ks * 2048), ks > 0, T{});
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        ptx::wgmma_ss<1, 0>(dq, ptx::desc_advance(k_desc, ks * 2048),
+                            ptx::desc_advance(ds_desc, (ks / 4) * Cfg::kDsPanelBytes + (ks % 4) * 32), ks > 0, T{});
+      }
+    } else {
+      // dQ = dS K: dS^T (keys x queries) is A MN-major, K is B MN-major.
+      const uint64_t ds_desc =
+          ptx::smem_desc_sw128(ds_buffer + (Cfg::dq_row0(consumer_uniform) / 64) * Cfg::kDsPanelBytes, 0);
+      const uint64_t k_desc = ptx::smem_desc_sw128(sK + (Cfg::dq_column0(consumer_uniform) / 64) * kBlockN * 128, 0);
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        ptx::wgmma_ss<1, 1>(dq, ptx::desc_advance(ds_desc, ks * 2048), ptx::desc_advance(k_desc, ks * 2048), ks > 0,
+                            T{});
+      }
     }
     ptx::wgmma_commit();
 
@@ -362,8 +407,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int t = ptx::thread_index() % 128;
     const uint32_t sDq_part = sDq(consumer_uniform, dq_buffer);
 #pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      ptx::st_shared_f32x4(sDq_part + DqTiles::chunk(c, t) * 16, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2],
+    for (int c = 0; c < Cfg::Dq::kChunks; ++c) {
+      ptx::st_shared_f32x4(sDq_part + Cfg::Dq::chunk(c, t) * 16, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2],
                            dq[4 * c + 3]);
     }
     ptx::fence_proxy_async_shared();

@@ -38,7 +38,7 @@ struct BwdWideConfig {
   static constexpr int kConsumers = 2;  // warp groups of 128 head-dim rows
   static constexpr int kBlockN = 64;    // keys a CTA
   static constexpr int kBlockM = 64;    // queries a step
-  static_assert(kBlockM <= kStatsRowMultiple, "statistics rows are padded to whole query blocks");
+  static_assert(kStatsRowMultiple % kBlockM == 0, "statistics rows are padded to whole query blocks");
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kPanels = kHeadDim / 64;            // 64-column panels of 128-byte rows
