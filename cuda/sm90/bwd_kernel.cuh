@@ -50,8 +50,8 @@ struct BwdConfig {
   static constexpr int kBlockN = 64 * kConsumers;
   // Query rows a step: 128 at H = 64, where the products of 64 rows are too small to keep the
   // tensor cores busy (S^T then takes 64 registers, which H = 128's dK and dV leave no room for).
-  // At H = 128 64, or 80 without masks (FlashAttention-3's non-causal tile, run_sm90.cuh): each
-  // step's fixed costs spread over 25% more rows, in 8 more registers for S^T and for dP^T.
+  // At H = 128: 64, or 80 without masks or band (FlashAttention-3's non-causal tile, run_sm90.cuh),
+  // where each step's fixed costs spread over 25% more rows, in 8 more registers for S^T and dP^T.
   static constexpr int kBlockM = kBlockM_;
   static_assert(kStatsRowMultiple % kBlockM == 0, "statistics rows are padded to whole query blocks");
   static constexpr int kStages = 2;
@@ -64,8 +64,9 @@ struct BwdConfig {
   using Dq = DqTiles<kDqTransposed ? kBlockM : 64, kDqTransposed>;
   static constexpr int dq_row0(int consumer) { return kDqTransposed ? 0 : (consumer % (kBlockM / 64)) * 64; }
   static constexpr int dq_column0(int consumer) { return (kDqTransposed ? consumer : consumer / (kBlockM / 64)) * 64; }
-  // Deterministic mode counts dQ turns per 64 query rows (common/bwd_walk.cuh).
-  static constexpr bool kDeterministic = kBlockM % 64 == 0;
+  // Deterministic mode counts dQ turns per 64 query rows (common/bwd_walk.cuh): only whole 64-row
+  // query blocks run it.
+  static constexpr bool kRunsDeterministic = kBlockM % 64 == 0;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
@@ -167,7 +168,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
         const int buffer = s % Cfg::kDqBuffers, use = s / Cfg::kDqBuffers;
         int* turn = nullptr;
-        if (Cfg::kDeterministic && p.dq_turns != nullptr) {
+        if (Cfg::kRunsDeterministic && p.dq_turns != nullptr) {
           turn = wait_dq_turn(p.dq_turns + (int64_t(batch) * p.heads + step.head) * (p.stats_stride / 64),
                               band.without_segments(), step.m_block, n_block, kBlockM, kBlockN);
           ptx::fence_proxy_async_global();
@@ -335,7 +336,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // dS (row = query, 16-byte chunk = 8 keys: this consumer's keys are its own 64-key panel),
       // the tiles transposed: row r of tile m is query kk * 16 + (m / 2) * 8 + r, whose row in
       // its group of 8 is r, so the swizzle is the same at every kk.
-      ds_lane_addr = ds_buffer + consumer * Cfg::kDsPanelBytes + ((m / 2) * 8 + r) * 128 + (((warp * 2 + m % 2) ^ r) * 16);
+      ds_lane_addr =
+          ds_buffer + consumer * Cfg::kDsPanelBytes + ((m / 2) * 8 + r) * 128 + (((warp * 2 + m % 2) ^ r) * 16);
     } else {
       // dS^T (row = key of the CTA's 128, 16-byte chunk = 8 queries). ptx::sw128_offset(row,
       // 2 kk + m / 2) with the swizzle hoisted out of the loop: (2 kk + m / 2) ^ (row % 8) =

@@ -81,7 +81,8 @@ __global__ void __launch_bounds__(128) dq_from_tiles(const BwdParams p) {
   for (int i = t; i < kRows * 8; i += 128) {
     const int row = i / 8, chunk = i % 8;
     if (row0 + row < p.seqlen_q) {
-      *reinterpret_cast<uint4*>(dq + row * row_stride + chunk * 8) = ptx::ld_shared_v4(staged + row * kRowBytes + chunk * 16);
+      *reinterpret_cast<uint4*>(dq + row * row_stride + chunk * 8) =
+          ptx::ld_shared_v4(staged + row * kRowBytes + chunk * 16);
     }
   }
 }
