@@ -43,11 +43,15 @@ def run(implementation, q, k, v, g_out, **kw):
     return out, lse, grads
 
 
-def check(dtype, b, t, s, n, kv_heads, h, **kw):
+def check(dtype, b, t, s, n, kv_heads, h, key_growth=1.0, **kw):
     """Both kernel families ("best", then the sm80 kernels alone) against the float64 reference
-    and the xla path; returns the inputs and the "best" results."""
-    rng = rng_for("cuda", dtype, b, t, s, n, kv_heads, h, tuple(sorted(kw.items())))
+    and the xla path; returns the inputs and the "best" results. key_growth: the first key is
+    scaled by it, the last by 1, linearly in between."""
+    rng = rng_for("cuda", dtype, b, t, s, n, kv_heads, h, key_growth, tuple(sorted(kw.items())))
     q, k, v = qkv(rng, dtype, b, t, s, n, kv_heads, h)
+    if key_growth != 1.0:
+        growth = jnp.linspace(key_growth, 1.0, s)[None, :, None, None]
+        k = (k.astype(jnp.float32) * growth).astype(dtype)
     g_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     xla = run("xla", q, k, v, g_out, **kw)
 
@@ -98,6 +102,16 @@ def test_long_causal_rows_at_64(t, s):
     """d = 64 causal rows of 8192 queries and more take the 192-row tiles (run_sm90.cuh), with
     tails and T != S; shorter ones take 128-row tiles (the tests above)."""
     check(jnp.bfloat16, 1, t, s, 2, 1, 64, is_causal=True)
+
+
+@pytest.mark.parametrize("h", [64, 128, 256])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_row_maxima_growing_across_key_blocks(h, is_causal):
+    """The sm90 forward visits key blocks from the last one down and keeps a row's old maximum
+    until a block exceeds it by 2^8 in exp2 units (lazy rescale, fwd_kernel.cuh): keys growing
+    towards the start of the row raise the maxima by a few units a block, so that some blocks
+    keep the old maximum and others rescale O."""
+    check(jnp.bfloat16, 1, 1000, 1000, 2, 2, h, key_growth=8.0, is_causal=is_causal)
 
 
 @pytest.mark.parametrize("n,kv_heads", [(8, 8), (8, 2), (8, 1)])

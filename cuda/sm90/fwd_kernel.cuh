@@ -239,6 +239,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kORegs = Cfg::kOChunkCols / 2;
   const auto logits = Logits<cap_of(kVariant)>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
+  constexpr float kLazyRescaleLog2 = 8.f;  // see the softmax
 
   // Ping-pong between the consumers (FlashAttention-3's inter-warpgroup overlap): they take turns
   // issuing their wgmma, in rotation, so that one's softmax runs while the others' products occupy
@@ -345,10 +346,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
         block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
+        // Lazy rescale (FlashAttention-4's): the row keeps its old max, and O its scale, unless the
+        // block exceeds it by more than kLazyRescaleLog2, so exp2 gives at most 2^8. The
+        // comparison is false (inf or NaN) while the row has seen nothing visible.
+        const bool keep = (block_max - row_max[r]) * scale_log2 <= kLazyRescaleLog2;
+        const float old_max = row_max[r];
+        if (!keep) row_max[r] = block_max;
         // A row that has seen nothing visible keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
-        const float shift = block_max == -INFINITY ? 0.f : block_max * scale_log2;
-        rescale[r] = ptx::exp2(row_max[r] * scale_log2 - shift);
-        row_max[r] = block_max;
+        const float shift = row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2;
+        rescale[r] = keep ? 1.f : ptx::exp2(old_max * scale_log2 - shift);
         float sum = 0.f;
 #pragma unroll
         for (int n8 = 0; n8 < kBlockN / 8; ++n8)
@@ -369,7 +375,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
         for (int i = 0; i < 4; ++i) pa[kk][i] = ptx::pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
     };
+    // Skipped by a warp whose rows all kept their max (the usual case once a row has seen a few
+    // blocks).
     auto rescale_o = [&](const float (&rescale)[2]) {
+      if (!__any_sync(0xffffffff, rescale[0] != 1.f || rescale[1] != 1.f)) return;
 #pragma unroll
       for (int c = 0; c < Cfg::kOChunks; ++c)
 #pragma unroll
@@ -382,7 +391,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
     // Software pipeline inside the warp group (FlashAttention-3's intra-warpgroup overlap): while
     // the tensor cores compute S_j and then P_{j-1} V_{j-1}, this warp group runs the softmax of
-    // block j. O is scaled for block j only after P_{j-1} V_{j-1} has landed in it.
+    // block j. O is scaled for block j (where a row's max moved) only after P_{j-1} V_{j-1} has
+    // landed in it.
     if (blocks > 0) {
       float s[kSRegs], rescale[2];
       uint32_t pa[kBlockN / 16][4];
