@@ -108,7 +108,7 @@ def test_long_causal_rows_at_64(t, s):
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_row_maxima_growing_across_key_blocks(h, is_causal):
     """The sm90 forward visits key blocks from the last one down and keeps a row's old maximum
-    until a block exceeds it by 2^8 in exp2 units (lazy rescale, fwd_kernel.cuh): keys growing
+    until a block exceeds it by 8 in exp2 units (lazy rescale, fwd_kernel.cuh): keys growing
     towards the start of the row raise the maxima by a few units a block, so that some blocks
     keep the old maximum and others rescale O."""
     check(jnp.bfloat16, 1, 1000, 1000, 2, 2, h, key_growth=8.0, is_causal=is_causal)
