@@ -1,4 +1,4 @@
-// The last kernel of the sm80 and the d = 256 wgmma backward: dQ [B, T, N, H] in T from the
+// The last kernel of the sm80 backward: dQ [B, T, N, H] in T from the
 // float32 accumulator they add into with atomics, the same layout. (The sm90 backward's
 // accumulator is tiled: sm90/dq_tiles.cuh.)
 #pragma once

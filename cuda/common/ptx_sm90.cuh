@@ -164,7 +164,11 @@ __device__ __forceinline__ void fence_registers(uint32_t (&a)[M][N]) {
 }
 
 // The accumulator operands of wgmma m64nN with fp32 accumulators (N / 2 registers a thread), as
-// asm operand lists and the matching register lists, for N = 64, 80, 128 and 176.
+// asm operand lists and the matching register lists, for N = 32, 64, 80, 128 and 176.
+#define JAX_FLASH_WGMMA_D16 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define JAX_FLASH_WGMMA_REGS16 "{" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" "}"
 #define JAX_FLASH_WGMMA_D32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
     "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
     "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
@@ -244,6 +248,7 @@ __device__ __forceinline__ void fence_registers(uint32_t (&a)[M][N]) {
   JAX_FLASH_DEFINE_WGMMA(R, N, __nv_bfloat16, "bf16", SS_AB, SS_SCALE, SS_TRANS, RS_AB, RS_SCALE) \
   JAX_FLASH_DEFINE_WGMMA(R, N, __half, "f16", SS_AB, SS_SCALE, SS_TRANS, RS_AB, RS_SCALE)
 
+JAX_FLASH_DEFINE_WGMMA_N(16, "32", "%16, %17", "%18", "%19, %20", "{%16, %17, %18, %19}, %20", "%21")
 JAX_FLASH_DEFINE_WGMMA_N(32, "64", "%32, %33", "%34", "%35, %36", "{%32, %33, %34, %35}, %36", "%37")
 JAX_FLASH_DEFINE_WGMMA_N(40, "80", "%40, %41", "%42", "%43, %44", "{%40, %41, %42, %43}, %44", "%45")
 JAX_FLASH_DEFINE_WGMMA_N(64, "128", "%64, %65", "%66", "%67, %68", "{%64, %65, %66, %67}, %68", "%69")
@@ -251,10 +256,12 @@ JAX_FLASH_DEFINE_WGMMA_N(88, "176", "%88, %89", "%90", "%91, %92", "{%88, %89, %
 
 #undef JAX_FLASH_DEFINE_WGMMA_N
 #undef JAX_FLASH_DEFINE_WGMMA
+#undef JAX_FLASH_WGMMA_D16
 #undef JAX_FLASH_WGMMA_D32
 #undef JAX_FLASH_WGMMA_D40
 #undef JAX_FLASH_WGMMA_D64
 #undef JAX_FLASH_WGMMA_D88
+#undef JAX_FLASH_WGMMA_REGS16
 #undef JAX_FLASH_WGMMA_REGS32
 #undef JAX_FLASH_WGMMA_REGS40
 #undef JAX_FLASH_WGMMA_REGS64

@@ -65,14 +65,10 @@ cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream
   return by_variant(p, [&](auto v) { return fwd_for<T, decltype(v)::value>(p, family, stream); });
 }
 
-// The d = 256 wgmma backward adds dQ with unordered atomics, so deterministic mode (dq_turns)
-// keeps the sm80 kernel there.
-bool bwd_sm90_takes(const BwdParams& p) { return p.head_dim != 256 || p.dq_turns == nullptr; }
-
 template <typename T, Variant kVariant>
 cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream) {
   if (!bwd_supports_head_dim(p.head_dim)) return cudaErrorInvalidValue;
-  const bool sm90 = use_sm90(family) && bwd_sm90_takes(p);
+  const bool sm90 = use_sm90(family);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
     if constexpr (bwd_sm90_supports(kHeadDim, kVariant)) {

@@ -7,10 +7,10 @@
 #include <cstdint>
 
 #include "common/bwd_preprocess.cuh"
-#include "common/dq_rows.cuh"
 #include "common/params.h"
 #include "launch/allow_smem.h"
 #include "launch/tensor_map.h"
+#include "sm90/bwd_dq_kernel.cuh"
 #include "sm90/bwd_kernel.cuh"
 #include "sm90/bwd_wide_kernel.cuh"
 #include "sm90/fwd_kernel.cuh"
@@ -72,51 +72,79 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim>, kVariant>(p, stream);
 }
 
-// Cfg: BwdConfig (bwd_kernel, whose dQ accumulator is tiled as Cfg::Dq) or, at H = 256,
-// BwdWideConfig (bwd_wide_kernel, which adds dQ to [B, T, N, H] rows with red.global.add).
-template <typename Cfg, bool kDqTiled, typename Kernel>
-cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream, Kernel kernel) {
-  using T = typename Cfg::T;
+// The tensor maps of the backward kernels: q and dO in boxes of Cfg::kBlockM rows, k and v of
+// Cfg::kBlockN, dk and dv of 64 (a consumer's columns).
+template <typename Cfg>
+cudaError_t make_bwd_tensor_maps(const BwdParams& p, sm90::BwdTensorMaps* maps) {
   constexpr int kHeadDim = Cfg::kHeadDim;
-  if (cudaError_t e = launch_bwd_preprocess<T, kHeadDim>(p, stream); e != cudaSuccess) return e;
-  sm90::BwdTensorMaps maps;
   for (cudaError_t e : {
-           make_tensor_map_bthd(&maps.q, p.q, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
-           make_tensor_map_bthd(&maps.dout, p.dout, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
-           make_tensor_map_bthd(&maps.k, p.k, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
-           make_tensor_map_bthd(&maps.v, p.v, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
-           make_tensor_map_bthd(&maps.dk, p.dk, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, 64),
-           make_tensor_map_bthd(&maps.dv, p.dv, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, 64),
+           make_tensor_map_bthd(&maps->q, p.q, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
+           make_tensor_map_bthd(&maps->dout, p.dout, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
+           make_tensor_map_bthd(&maps->k, p.k, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
+           make_tensor_map_bthd(&maps->v, p.v, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
+           make_tensor_map_bthd(&maps->dk, p.dk, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, 64),
+           make_tensor_map_bthd(&maps->dv, p.dv, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, 64),
        }) {
     if (e != cudaSuccess) return e;
   }
+  return cudaSuccess;
+}
+
+// H <= 128: bwd_kernel with Cfg = BwdConfig, whose dQ accumulator is tiled as Cfg::Dq, converted
+// to dq by a last kernel.
+template <typename Cfg, Variant kVariant>
+cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
+  using T = typename Cfg::T;
+  if (cudaError_t e = launch_bwd_preprocess<T, Cfg::kHeadDim>(p, stream); e != cudaSuccess) return e;
+  sm90::BwdTensorMaps maps;
+  if (cudaError_t e = make_bwd_tensor_maps<Cfg>(p, &maps); e != cudaSuccess) return e;
+  auto kernel = sm90::bwd_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  if constexpr (kDqTiled) {
-    return sm90::launch_dq_from_tiles<T, typename Cfg::Dq>(p, stream);
-  } else {
-    return launch_dq_from_rows<T>(p, stream);
-  }
+  return sm90::launch_dq_from_tiles<T, typename Cfg::Dq>(p, stream);
+}
+
+// H = 256: dK and dV by bwd_wide_kernel (a CTA per 64 keys), dQ by bwd_dq_kernel (a CTA per 64
+// queries), which writes dq itself: no fp32 accumulator to zero or convert.
+template <typename T, Variant kVariant>
+cudaError_t launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
+  using Cfg = sm90::BwdWideConfig<T>;
+  using DqCfg = sm90::BwdDqConfig<T>;
+  static_assert(DqCfg::kBlockM == Cfg::kBlockM && DqCfg::kBlockN == Cfg::kBlockN, "one set of tensor maps");
+  BwdParams stats_only = p;
+  stats_only.dq_accum = nullptr;
+  if (cudaError_t e = launch_bwd_preprocess<T, 256>(stats_only, stream); e != cudaSuccess) return e;
+  sm90::BwdTensorMaps maps;
+  if (cudaError_t e = make_bwd_tensor_maps<Cfg>(p, &maps); e != cudaSuccess) return e;
+  auto dkdv_kernel = sm90::bwd_wide_kernel<Cfg, kVariant>;
+  auto dq_kernel = sm90::bwd_dq_kernel<DqCfg, kVariant>;
+  if (cudaError_t e = allow_smem(dkdv_kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
+  if (cudaError_t e = allow_smem(dq_kernel, DqCfg::kSmemBytes); e != cudaSuccess) return e;
+  const dim3 dkdv_grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);
+  dkdv_kernel<<<dkdv_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  const dim3 dq_grid((p.seqlen_q + DqCfg::kBlockM - 1) / DqCfg::kBlockM, p.batch * p.heads);
+  dq_kernel<<<dq_grid, DqCfg::kThreads, DqCfg::kSmemBytes, stream>>>(maps, p);
+  return cudaGetLastError();
 }
 
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   if constexpr (kHeadDim == 256) {
-    using Cfg = sm90::BwdWideConfig<T>;
-    return launch_bwd_sm90<Cfg, false>(p, stream, sm90::bwd_wide_kernel<Cfg, kVariant>);
+    return launch_bwd_sm90_wide<T, kVariant>(p, stream);
   } else {
     // H = 128 without masks, band or deterministic mode (whose turns count 64-row blocks):
     // 80-query steps, FlashAttention-3's non-causal tile.
     if constexpr (kHeadDim == 128 && kVariant == Variant::kPlain) {
       if (p.window_left < 0 && p.window_right < 0 && p.dq_turns == nullptr) {
         using Cfg = sm90::BwdConfig<T, kHeadDim, 80>;
-        return launch_bwd_sm90<Cfg, true>(p, stream, sm90::bwd_kernel<Cfg, kVariant>);
+        return launch_bwd_sm90<Cfg, kVariant>(p, stream);
       }
     }
     using Cfg = sm90::BwdConfig<T, kHeadDim>;
-    return launch_bwd_sm90<Cfg, true>(p, stream, sm90::bwd_kernel<Cfg, kVariant>);
+    return launch_bwd_sm90<Cfg, kVariant>(p, stream);
   }
 }
 

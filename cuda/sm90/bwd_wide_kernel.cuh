@@ -1,4 +1,6 @@
-// FlashAttention backward on Hopper for head dim 256 (sm_90a): TMA, mbarriers, wgmma.
+// dK and dV of the head-dim-256 backward on Hopper (sm_90a): TMA, mbarriers, wgmma. dQ is
+// bwd_dq_kernel.cuh's, which walks the keys per query block instead: added here per step, it took
+// 64 KB of fp32 atomics per 64 x 64 step, 40% of the backward (docs/PERF.md).
 //
 // bwd_kernel.cuh keeps dK and dV of its keys as m64 x H accumulators (keys as rows); at H = 256
 // they would take 256 registers a thread. Here the head dim is the row side of those products:
@@ -10,12 +12,10 @@
 //   consumer 0:  S  = Q K^T,  P = exp2(S * scale * log2 e - lse_log2)  ->  shared memory
 //   consumer 1:  dP = dO V^T, dS = P (dP - delta) * scale              ->  shared memory
 //   both:        their rows of dV^T and dK^T (dO^T, Q^T read transposed; P, dS as B operands)
-//                and their 128 columns of dQ = dS K, added to the fp32 accumulator in global
-//                memory with red.global.add (no shared memory left for a TMA-reduce buffer).
 // Named barriers order the hand-offs: kPReady (P stored), kDsReady (dS stored), kStepDone (both
 // consumers' products of the step complete, so P and dS may be overwritten).
-// Deterministic dQ (BwdParams::dq_turns), the soft cap and the bias run the sm80 kernel at this
-// head dim (dispatch.cu).
+// No atomics: deterministic. The soft cap and the bias run the sm80 kernel at this head dim
+// (dispatch.cu).
 #pragma once
 
 #include <cuda.h>
@@ -202,30 +202,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::named_barrier_sync(kDsReady, kConsumerThreads);
     issue_transposed_products(dkt, sQ(stage), sDs);
 
-    // This consumer's 128 columns of dQ = dS K, 64 at a time: dS K-major as A, K MN-major as B.
-#pragma unroll 1
-    for (int chunk = 0; chunk < 2; ++chunk) {
-      const int col0 = row0 + chunk * 64;
-      float dq[32];
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        ptx::wgmma_ss<0, 1>(dq, ptx::smem_desc_sw128(sDs + ks * 32, 0),
-                            ptx::smem_desc_sw128(sK + (col0 / 64) * kBlockN * 128 + ks * 2048, 0), ks > 0, T{});
-      }
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
-      ptx::fence_registers(dq);
-#pragma unroll
-      for (int i = 0; i < 32; i += 2) {
-        const int q = q_first + accum_row(i);
-        if (q < p.seqlen_q) {
-          float* dst = p.dq_accum + ((int64_t(batch) * p.seqlen_q + q) * p.heads + step.head) * kHeadDim + col0 +
-                       accum_col(i);
-          ptx::red_add_f32x2(dst, dq[i], dq[i + 1]);
-        }
-      }
-    }
     ptx::wgmma_wait<0>();
     ptx::fence_registers(dvt[0]);
     ptx::fence_registers(dvt[1]);

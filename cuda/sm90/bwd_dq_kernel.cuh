@@ -1,0 +1,270 @@
+// dQ of the head-dim-256 backward on Hopper (sm_90a), in a kernel of its own.
+//
+// bwd_wide_kernel.cuh walks query blocks per key block, so every one of its CTAs adds a part of
+// dQ: 64 KB of fp32 atomics per 64 x 64 step, which took 40% of that backward (docs/PERF.md).
+// Here a CTA owns kBlockM = 64 query rows of one head and walks the key blocks they see, keeping
+// dQ in registers and writing it once, in the output dtype. It recomputes what it needs:
+//   S = Q K^T,  P = exp2(S * scale * log2 e - lse_log2),  dP = dO V^T,
+//   dS = P (dP - delta) * scale,  dQ += dS K
+// Warp group 0 is the producer (one thread: Q and dO once, K and V per key block into kStages
+// stages, TMA completing on mbarriers). The two consumer warp groups split each key block: keys
+// [32 c, 32 c + 32) go to consumer c, whose dQ (64 x 256 fp32, 128 registers a thread) sums over
+// its halves; the two partial sums meet through shared memory at the end. No ping-pong: each
+// consumer issues S and dP together and then its dQ product, so the tensor cores hold work of both
+// while either computes P and dS.
+// Deterministic (one writer per dQ element, a fixed order of adds), so deterministic mode takes it.
+#pragma once
+
+#include <cuda.h>
+
+#include <cmath>
+
+#include "common/mask.cuh"
+#include "common/params.h"
+#include "common/ptx.cuh"
+#include "common/ptx_sm90.cuh"
+#include "sm90/bwd_stages.cuh"
+
+namespace jax_flash::sm90 {
+
+template <typename T_>
+struct BwdDqConfig {
+  using T = T_;
+  static constexpr int kHeadDim = 256;
+  static constexpr int kConsumers = 2;
+  static constexpr int kBlockM = 64;                      // queries a CTA
+  static constexpr int kBlockN = 64;                      // keys a stage
+  static constexpr int kHalfN = kBlockN / kConsumers;     // keys a consumer
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kPanels = kHeadDim / 64;           // 64-column panels of 128-byte rows
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // Q or dO
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V of one stage
+  static constexpr int kQ = 0, kDo = kQBytes, kK = 2 * kQBytes, kV = kK + kStages * kKVBytes;
+  static constexpr int kBarriers = kV + kStages * kKVBytes;
+  static constexpr int kSmemBytes = kBarriers + 8 * (1 + 4 * kStages) + 1024;
+  // The consumers' exchange of dQ halves at the end reuses the K/V stages: 2 x 64 x 128 floats.
+  static_assert(2 * kBlockM * 128 * 4 <= 2 * kStages * kKVBytes, "exchange buffer inside the stages");
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+};
+
+// The launcher builds these maps for bwd_wide_kernel (boxes of 64 rows for q, dO, k and v), which
+// are the boxes this kernel loads: it takes the same BwdTensorMaps.
+template <typename Cfg, Variant kVariant>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    bwd_dq_kernel(const __grid_constant__ BwdTensorMaps maps, const BwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = typename Cfg::T;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHalfN = Cfg::kHalfN, kHeadDim = Cfg::kHeadDim;
+  constexpr int kStages = Cfg::kStages;
+  constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
+  constexpr float kLog2e = 1.4426950408889634f;
+  static_assert(kVariant == Variant::kPlain || kVariant == Variant::kMasked, "no cap or bias at d = 256");
+  constexpr bool kMasked = kVariant == Variant::kMasked;
+  constexpr int kExchangeBarrier = 1;
+
+  extern __shared__ char smem[];
+  const uint32_t align = (1024 - (ptx::smem_addr(smem) & 1023)) & 1023;
+  float* const exchange = reinterpret_cast<float*>(smem + align + Cfg::kK);
+  const uint32_t base = ptx::smem_addr(smem) + align;
+  const uint32_t sQ = base + Cfg::kQ, sDo = base + Cfg::kDo;
+  auto sK = [&](int stage) { return base + Cfg::kK + stage * Cfg::kKVBytes; };
+  auto sV = [&](int stage) { return base + Cfg::kV + stage * Cfg::kKVBytes; };
+  const uint32_t bars = base + Cfg::kBarriers;
+  const uint32_t qdo_full = bars;
+  auto k_full = [&](int stage) { return bars + 8 * (1 + stage); };
+  auto v_full = [&](int stage) { return bars + 8 * (1 + kStages + stage); };
+  auto k_empty = [&](int stage) { return bars + 8 * (1 + 2 * kStages + stage); };
+  auto v_empty = [&](int stage) { return bars + 8 * (1 + 3 * kStages + stage); };
+
+  const int q_first = blockIdx.x * kBlockM;
+  const int batch = blockIdx.y / p.heads, head = blockIdx.y % p.heads;
+  const int kv_head = head / (p.heads / p.kv_heads);
+  const Band band = Band::from<kMasked>(p, batch);
+  // Key blocks n_end - 1 down to n_end - blocks (the band's edge first).
+  const Range keys = band.keys_of(q_first, min(q_first + kBlockM, p.seqlen_q) - 1);
+  const int n_end = (keys.end + kBlockN - 1) / kBlockN;
+  const int blocks = max(0, n_end - keys.begin / kBlockN);
+  auto key_block_first = [&](int j) { return (n_end - 1 - j) * kBlockN; };
+
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(qdo_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(k_full(s), 1);
+      ptx::mbarrier_init(v_full(s), 1);
+      ptx::mbarrier_init(k_empty(s), kConsumerThreads);
+      ptx::mbarrier_init(v_empty(s), kConsumerThreads);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warp_group = threadIdx.x / 128;
+  if (warp_group == 0) {
+    ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (threadIdx.x != 0 || blocks == 0) return;
+    ptx::mbarrier_arrive_expect_tx(qdo_full, 2 * Cfg::kQBytes);
+    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+      ptx::tma_load_4d(sQ + panel * kBlockM * 128, &maps.q, qdo_full, panel * 64, head, q_first, batch);
+      ptx::tma_load_4d(sDo + panel * kBlockM * 128, &maps.dout, qdo_full, panel * 64, head, q_first, batch);
+    }
+    // The n-th use of a stage waits for the consumers' release of use n - 1.
+    auto load = [&](uint32_t full, uint32_t empty, uint32_t dst, const CUtensorMap* map, int j) {
+      if (j >= kStages) ptx::mbarrier_wait(empty, (j / kStages - 1) & 1);
+      ptx::mbarrier_arrive_expect_tx(full, Cfg::kKVBytes);
+      for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+        ptx::tma_load_4d(dst + panel * kBlockN * 128, map, full, panel * 64, kv_head, key_block_first(j), batch);
+      }
+    };
+    for (int j = 0; j < blocks; ++j) {
+      const int stage = j % kStages;
+      load(k_full(stage), k_empty(stage), sK(stage), &maps.k, j);
+      load(v_full(stage), v_empty(stage), sV(stage), &maps.v, j);
+    }
+    return;
+  }
+
+  ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int consumer = warp_group - 1;
+  // Broadcast from lane 0, so that the descriptors built from it stay in uniform registers.
+  const int consumer_uniform = __shfl_sync(0xffffffff, consumer, 0);
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  // This thread's rows of the block (accumulator layout), r = 0, 1, and the key of S element i.
+  auto row_in_block = [&](int r) { return warp * 16 + r * 8 + lane / 4; };
+  auto key_in_half = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
+  const float scale_log2 = p.scale * kLog2e;
+
+  // Rows past T hold lse_log2 = +inf and delta = 0 (bwd_preprocess), so their P and dS are 0.
+  float lse_log2[2], delta[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = (int64_t(batch) * p.heads + head) * p.stats_stride + q_first + row_in_block(r);
+    lse_log2[r] = p.lse_log2[row];
+    delta[r] = p.delta[row];
+  }
+
+  constexpr int kDqChunks = kHeadDim / 128;  // wgmma n128 each
+  float dq[kDqChunks][64];
+#pragma unroll
+  for (int c = 0; c < kDqChunks; ++c)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) dq[c][i] = 0.f;
+
+  const uint64_t q_desc = ptx::smem_desc_sw128(sQ, 0), do_desc = ptx::smem_desc_sw128(sDo, 0);
+  uint32_t ds_a[kHalfN / 16][4];  // dS as the A fragments of dQ's k16 steps
+  if (blocks > 0) ptx::mbarrier_wait(qdo_full, 0);
+  for (int j = 0; j < blocks; ++j) {
+    const int stage = j % kStages, phase = (j / kStages) & 1;
+    const int k_first = key_block_first(j) + consumer * kHalfN;  // this consumer's keys
+    // S = Q K^T and dP = dO V^T over this consumer's 32 keys: k16 steps along the head dim, both
+    // operands K-major; its keys start 32 rows (4 swizzle groups) into each panel.
+    const uint64_t k_desc = ptx::smem_desc_sw128(sK(stage) + consumer_uniform * kHalfN * 128, 0);
+    const uint64_t v_desc = ptx::smem_desc_sw128(sV(stage) + consumer_uniform * kHalfN * 128, 0);
+    float s[kHalfN / 2], dp[kHalfN / 2];
+    ptx::mbarrier_wait(k_full(stage), phase);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      ptx::wgmma_ss(s, ptx::desc_advance(q_desc, (ks / 4) * kBlockM * 128 + (ks % 4) * 32),
+                    ptx::desc_advance(k_desc, (ks / 4) * kBlockN * 128 + (ks % 4) * 32), ks > 0, T{});
+    }
+    ptx::wgmma_commit();
+    ptx::mbarrier_wait(v_full(stage), phase);
+    ptx::wgmma_fence();  // after the wait's branch (else ptxas injects one, C7519)
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      ptx::wgmma_ss(dp, ptx::desc_advance(do_desc, (ks / 4) * kBlockM * 128 + (ks % 4) * 32),
+                    ptx::desc_advance(v_desc, (ks / 4) * kBlockN * 128 + (ks % 4) * 32), ks > 0, T{});
+    }
+    ptx::wgmma_commit();
+    // The previous block's dQ product and S have landed (dP may still run): that block's K stage
+    // and dS fragments are free.
+    ptx::wgmma_wait<1>();
+    ptx::fence_registers(s);
+    ptx::fence_registers(ds_a);
+#pragma unroll
+    for (int c = 0; c < kDqChunks; ++c) ptx::fence_registers(dq[c]);
+    if (j > 0) ptx::mbarrier_arrive(k_empty((j - 1) % kStages));
+
+    // P, masked outside the band, past the keys and across segments.
+    if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kHalfN - 1)) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int q = q_first + row_in_block(r);
+        const Range seen = band.keys_seen_by(q);
+#pragma unroll
+        for (int i = 0; i < kHalfN / 2; ++i) {
+          if ((i % 4) / 2 != r) continue;
+          const int k = k_first + key_in_half(i);
+          if (k < seen.begin || k >= seen.end || !band.same_segment(q, k)) s[i] = -INFINITY;
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kHalfN / 2; ++i) s[i] = ptx::exp2(s[i] * scale_log2 - lse_log2[(i % 4) / 2]);
+
+    ptx::wgmma_wait<0>();
+    ptx::fence_registers(dp);
+    ptx::mbarrier_arrive(v_empty(stage));
+    // dS, packed as the A operand (the accumulator and A layouts agree thread for thread).
+#pragma unroll
+    for (int i = 0; i < kHalfN / 2; ++i) s[i] = s[i] * (dp[i] - delta[(i % 4) / 2]) * p.scale;
+#pragma unroll
+    for (int kk = 0; kk < kHalfN / 16; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ds_a[kk][i] = ptx::pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+
+    // dQ += dS K: K MN-major (keys are K, head-dim columns N), this consumer's 32 keys, 16 a step
+    // (2048 bytes of a panel), column panels kBlockN * 128 bytes apart.
+    const uint64_t kt_desc = ptx::smem_desc_sw128(sK(stage) + consumer_uniform * kHalfN * 128, kBlockN * 128);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHalfN / 16; ++kk)
+#pragma unroll
+      for (int c = 0; c < kDqChunks; ++c) {
+        ptx::wgmma_rs(dq[c], ds_a[kk], ptx::desc_advance(kt_desc, c * 2 * kBlockN * 128 + kk * 2048), T{});
+      }
+    ptx::wgmma_commit();
+  }
+  ptx::wgmma_wait<0>();
+  ptx::fence_registers(ds_a);
+#pragma unroll
+  for (int c = 0; c < kDqChunks; ++c) ptx::fence_registers(dq[c]);
+
+  // The two partial sums meet: consumer c gives the other its half of the columns (128 floats a
+  // thread, thread-major: conflict-free) and adds the other's part of its own half. The stages
+  // are free once both consumers' last products have landed.
+  ptx::named_barrier_sync(kExchangeBarrier, kConsumerThreads);
+  auto exchange_and_store = [&](const float (&give)[64], float (&keep)[64]) {
+    float* mine = exchange + consumer * 64 * 128;
+    const float* theirs = exchange + (1 - consumer) * 64 * 128;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) mine[i * 128 + tid] = give[i];
+    ptx::named_barrier_sync(kExchangeBarrier, kConsumerThreads);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) keep[i] += theirs[i * 128 + tid];
+    // Rows past T are not stored; rows of a batch row's padding computed to 0 (lse_log2 = +inf).
+    const int64_t row_stride = int64_t(p.heads) * kHeadDim;
+    T* gdq = static_cast<T*>(p.dq) + (int64_t(batch) * p.seqlen_q + q_first) * row_stride + head * kHeadDim +
+             consumer * 128 + (lane % 4) * 2;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row_in_block(r);
+      if (q_first + row < p.seqlen_q) {
+        uint32_t* out = reinterpret_cast<uint32_t*>(gdq + row * row_stride);
+#pragma unroll
+        for (int n8 = 0; n8 < 16; ++n8) out[n8 * 4] = ptx::pack2<T>(keep[4 * n8 + 2 * r], keep[4 * n8 + 2 * r + 1]);
+      }
+    }
+  };
+  if (consumer == 0) {
+    exchange_and_store(dq[1], dq[0]);
+  } else {
+    exchange_and_store(dq[0], dq[1]);
+  }
+#endif
+}
+
+}  // namespace jax_flash::sm90
