@@ -79,7 +79,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto k_empty = [&](int stage) { return bars + 8 * (1 + 2 * kStages + stage); };
   auto v_empty = [&](int stage) { return bars + 8 * (1 + 3 * kStages + stage); };
 
-  const int q_first = blockIdx.x * kBlockM;
+  // The last query blocks first: under a causal band they see the most keys, so the short ones
+  // fill in behind them.
+  const int q_first = (gridDim.x - 1 - blockIdx.x) * kBlockM;
   const int batch = blockIdx.y / p.heads, head = blockIdx.y % p.heads;
   const int kv_head = head / (p.heads / p.kv_heads);
   const Band band = Band::from<kMasked>(p, batch);

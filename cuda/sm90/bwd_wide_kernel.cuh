@@ -12,8 +12,9 @@
 //   consumer 0:  S  = Q K^T,  P = exp2(S * scale * log2 e - lse_log2)  ->  shared memory
 //   consumer 1:  dP = dO V^T, dS = P (dP - delta) * scale              ->  shared memory
 //   both:        their rows of dV^T and dK^T (dO^T, Q^T read transposed; P, dS as B operands)
-// Named barriers order the hand-offs: kPReady (P stored), kDsReady (dS stored), kStepDone (both
-// consumers' products of the step complete, so P and dS may be overwritten).
+// Named barriers order the hand-offs: kPReady (P stored), kDsReady (dS stored); each consumer
+// issues the next step's S or dP behind its products of the step, and P has two buffers, so no
+// barrier ends a step.
 // No atomics: deterministic. The soft cap and the bias run the sm80 kernel at this head dim
 // (dispatch.cu).
 #pragma once
@@ -21,6 +22,7 @@
 #include <cuda.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "common/bwd_walk.cuh"
 #include "common/mask.cuh"
@@ -47,7 +49,9 @@ struct BwdWideConfig {
   static constexpr int kTileBytes = kBlockM * kBlockN * 2;  // P or dS: [query][key], one panel
   static constexpr int kStatBytes = kBlockM * 4;
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDo = kQ + kStages * kQBytes;
-  static constexpr int kP = kDo + kStages * kQBytes, kDs = kP + kTileBytes;
+  // P has two buffers (a step's P is stored while the other consumer's products of the step
+  // before may still read the last one); dS one.
+  static constexpr int kP = kDo + kStages * kQBytes, kDs = kP + 2 * kTileBytes;
   static constexpr int kLse = kDs + kTileBytes, kDelta = kLse + kStages * kStatBytes;
   static constexpr int kBarriers = kDelta + kStages * kStatBytes;
   static constexpr int kSmemBytes = kBarriers + 8 * (1 + 4 * kStages) + 1024;
@@ -67,14 +71,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr float kLog2e = 1.4426950408889634f;
   static_assert(kVariant == Variant::kPlain || kVariant == Variant::kMasked, "no cap or bias at d = 256");
   constexpr bool kMasked = kVariant == Variant::kMasked;
-  enum : int { kPReady = 1, kDsReady = 2, kStepDone = 3, kEpilogue = 4 };  // named barriers (+ consumer)
+  enum : int { kPReady = 1, kDsReady = 2, kEpilogue = 3 };  // named barriers (+ consumer)
 
   extern __shared__ char smem[];
   const uint32_t align = (1024 - (ptx::smem_addr(smem) & 1023)) & 1023;
   char* const base = smem + align;
   const uint32_t base_addr = ptx::smem_addr(smem) + align;
   const uint32_t sK = base_addr + Cfg::kK, sV = base_addr + Cfg::kV;
-  const uint32_t sP = base_addr + Cfg::kP, sDs = base_addr + Cfg::kDs;
+  const uint32_t sDs = base_addr + Cfg::kDs;
+  auto sP = [&](int step) { return base_addr + Cfg::kP + (step % 2) * Cfg::kTileBytes; };
   auto sQ = [&](int stage) { return base_addr + Cfg::kQ + stage * Cfg::kQBytes; };
   auto sDo = [&](int stage) { return base_addr + Cfg::kDo + stage * Cfg::kQBytes; };
   auto stat = [&](int offset, int stage, int row) {
@@ -137,14 +142,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::wgmma_commit();
   };
 
-  if (walk.steps > 0) ptx::mbarrier_wait(barriers.kv_full(), 0);
-  BwdStep step = BwdStep::first(walk, kv_head * group);
-  for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
+  // S = Q K^T (consumer 0) or dP = dO V^T (consumer 1) of step s issued: queries x keys, k16 steps
+  // along the head dim, both operands K-major.
+  auto issue_scores = [&](float (&acc)[32], int s) {
     const int stage = s % kStages, phase = (s / kStages) & 1;
-    const int q_first = step.m_block * kBlockM;
-    // S = Q K^T (consumer 0) or dP = dO V^T (consumer 1): queries x keys, k16 steps along the
-    // head dim, both operands K-major.
-    float acc[32];
     const uint32_t rows = consumer == 0 ? sQ(stage) : sDo(stage), keys = consumer == 0 ? sK : sV;
     ptx::mbarrier_wait(consumer == 0 ? barriers.q_full(stage) : barriers.do_full(stage), phase);
     ptx::wgmma_fence();
@@ -154,9 +155,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::wgmma_ss(acc, ptx::smem_desc_sw128(rows + off_q, 0), ptx::smem_desc_sw128(keys + off_k, 0), ks > 0, T{});
     }
     ptx::wgmma_commit();
+  };
+
+  // Pipelined across steps: each consumer issues the next step's S or dP right behind this step's
+  // dV^T and dK^T, so the tensor cores have it queued while the other consumer computes P or dS.
+  // Every product is waited for inside the step that issues it: a wgmma in flight across the
+  // loop's back edge made ptxas serialise them all (C7514, C7515).
+  float acc[32];  // S or dP of the step
+  if (walk.steps > 0) {
+    ptx::mbarrier_wait(barriers.kv_full(), 0);
+    issue_scores(acc, 0);
     ptx::wgmma_wait<0>();
     ptx::fence_registers(acc);
-
+  }
+  // Step s (q_first its first query); issue_next: the next step's S or dP goes out behind its
+  // products. The last step is a separate copy: issued conditionally, the accumulators took
+  // register moves at the branch's join while the products were in flight (C7515).
+  auto do_step = [&](int s, int q_first, auto issue_next) {
+    const int stage = s % kStages, phase = (s / kStages) & 1;
     if (consumer == 0) {
       // P, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
       if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
@@ -176,7 +192,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 32; i += 2) {
         const float l = lse[(i % 4) / 2];
-        ptx::st_shared_b32(sP + tile_offset(i), ptx::pack2<T>(ptx::exp2(acc[i] * scale_log2 - l),
+        ptx::st_shared_b32(sP(s) + tile_offset(i), ptx::pack2<T>(ptx::exp2(acc[i] * scale_log2 - l),
                                                               ptx::exp2(acc[i + 1] * scale_log2 - l)));
       }
       ptx::fence_proxy_async_shared();  // the P stores, before wgmma reads them
@@ -189,7 +205,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 32; i += 2) {
         const float d = delta[(i % 4) / 2];
-        const float2 prob = ptx::unpack2<T>(ptx::ld_shared_b32(sP + tile_offset(i)));
+        const float2 prob = ptx::unpack2<T>(ptx::ld_shared_b32(sP(s) + tile_offset(i)));
         ptx::st_shared_b32(sDs + tile_offset(i), ptx::pack2<T>(prob.x * (acc[i] - d) * p.scale,
                                                                prob.y * (acc[i + 1] - d) * p.scale));
       }
@@ -198,24 +214,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     // dV^T += dO^T P, then (once dS is in) dK^T += Q^T dS.
     ptx::wgmma_fence();
-    issue_transposed_products(dvt, sDo(stage), sP);
+    issue_transposed_products(dvt, sDo(stage), sP(s));
     ptx::named_barrier_sync(kDsReady, kConsumerThreads);
     issue_transposed_products(dkt, sQ(stage), sDs);
-
+    if constexpr (decltype(issue_next)::value) issue_scores(acc, s + 1);
+    // This step's products have landed (and the next step's S or dP): its Q and dO stage is free.
+    // Each consumer passes the next kPReady only after this wait, so once past it the other's
+    // products of this step are complete too: dS (one buffer) and the P buffer of step s + 2
+    // may be overwritten.
     ptx::wgmma_wait<0>();
-    ptx::fence_registers(dvt[0]);
-    ptx::fence_registers(dvt[1]);
-    ptx::fence_registers(dkt[0]);
-    ptx::fence_registers(dkt[1]);
+    ptx::fence_registers(acc);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) ptx::fence_registers(dvt[mt]), ptx::fence_registers(dkt[mt]);
     ptx::mbarrier_arrive(barriers.q_empty(stage));
     ptx::mbarrier_arrive(barriers.do_empty(stage));
-    // P and dS are read by both consumers' products: both complete before the next step's stores.
-    ptx::named_barrier_sync(kStepDone, kConsumerThreads);
-  }
+  };
+  BwdStep step = BwdStep::first(walk, kv_head * group);
+  for (int s = 0; s < walk.steps - 1; ++s, step.advance(walk)) do_step(s, step.m_block * kBlockM, std::true_type{});
+  if (walk.steps > 0) do_step(walk.steps - 1, step.m_block * kBlockM, std::false_type{});
 
   // Epilogue: dK^T and dV^T transposed into this consumer's column panels of the K and V tiles
-  // ([key][column], as the dk and dv tensor maps expect; the last step's barrier, or no step at
-  // all, leaves K and V unread), then TMA stores, which clip rows past seqlen_k.
+  // ([key][column], as the dk and dv tensor maps expect; every S and dP has landed before its
+  // step's kPReady, which both consumers passed, so K and V are unread), then TMA stores, which
+  // clip rows past seqlen_k.
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
