@@ -276,7 +276,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::fence_registers(dpt);
 #pragma unroll
       for (int n = 0; n < kBlockM / 8; ++n) {
-        const float2 d = stats_of_tile(sDelta(stage), n);
+        // delta by volatile loads, one n8 tile at a time: as plain loads ptxas hoisted them all
+        // ahead of the loop, and at H = 64 (128-query steps) spilled 8 bytes.
+        const uint32_t d_addr = sDelta(stage) + accum_col(4 * n) * 4;
+        const float2 d = {__uint_as_float(ptx::ld_shared_b32(d_addr)), __uint_as_float(ptx::ld_shared_b32(d_addr + 4))};
 #pragma unroll
         for (int i = 4 * n; i < 4 * n + 4; ++i) {
           st[i] = logits.value(st[i]);
