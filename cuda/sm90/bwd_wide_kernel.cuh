@@ -8,13 +8,13 @@
 // so each of the two consumer warp groups keeps 128 rows (two m64 tiles) of dV^T and of dK^T over
 // the CTA's 64 keys: 64 + 64 registers. A CTA owns kBlockN = 64 keys of one kv head and walks the
 // query blocks that see them (common/bwd_walk.cuh), 64 queries a step, as bwd_kernel.cuh does.
-// Per step:
-//   consumer 0:  S  = Q K^T,  P = exp2(S * scale * log2 e - lse_log2)  ->  shared memory
-//   consumer 1:  dP = dO V^T, dS = P (dP - delta) * scale              ->  shared memory
-//   both:        their rows of dV^T and dK^T (dO^T, Q^T read transposed; P, dS as B operands)
-// Named barriers order the hand-offs: kPReady (P stored), kDsReady (dS stored); each consumer
-// issues the next step's S or dP behind its products of the step, and P has two buffers, so no
-// barrier ends a step.
+// Per step, each consumer c over its 32 of the CTA's keys (32 c onwards):
+//   S = Q K^T, dP = dO V^T (m64n32), P = exp2(S * scale * log2 e - lse_log2),
+//   dS = P (dP - delta) * scale                          ->  shared memory, [query][key] tiles
+// then, once both halves are in (named barrier kTilesReady), over all 64 keys:
+//   its rows of dV^T += dO^T P and dK^T += Q^T dS (dO^T, Q^T read transposed; P, dS as B operands)
+// and the next step's S and dP right behind them. P and dS have two buffers each, so no barrier
+// ends a step.
 // No atomics: deterministic. The soft cap and the bias run the sm80 kernel at this head dim
 // (dispatch.cu).
 #pragma once
@@ -49,10 +49,10 @@ struct BwdWideConfig {
   static constexpr int kTileBytes = kBlockM * kBlockN * 2;  // P or dS: [query][key], one panel
   static constexpr int kStatBytes = kBlockM * 4;
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDo = kQ + kStages * kQBytes;
-  // P has two buffers (a step's P is stored while the other consumer's products of the step
-  // before may still read the last one); dS one.
+  // P and dS have two buffers each: a step's are stored while the other consumer's products of
+  // the step before may still read the last ones.
   static constexpr int kP = kDo + kStages * kQBytes, kDs = kP + 2 * kTileBytes;
-  static constexpr int kLse = kDs + kTileBytes, kDelta = kLse + kStages * kStatBytes;
+  static constexpr int kLse = kDs + 2 * kTileBytes, kDelta = kLse + kStages * kStatBytes;
   static constexpr int kBarriers = kDelta + kStages * kStatBytes;
   static constexpr int kSmemBytes = kBarriers + 8 * (1 + 4 * kStages) + 1024;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
@@ -71,15 +71,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr float kLog2e = 1.4426950408889634f;
   static_assert(kVariant == Variant::kPlain || kVariant == Variant::kMasked, "no cap or bias at d = 256");
   constexpr bool kMasked = kVariant == Variant::kMasked;
-  enum : int { kPReady = 1, kDsReady = 2, kEpilogue = 3 };  // named barriers (+ consumer)
+  enum : int { kTilesReady = 1, kEpilogue = 2 };  // named barriers (+ consumer)
 
   extern __shared__ char smem[];
   const uint32_t align = (1024 - (ptx::smem_addr(smem) & 1023)) & 1023;
   char* const base = smem + align;
   const uint32_t base_addr = ptx::smem_addr(smem) + align;
   const uint32_t sK = base_addr + Cfg::kK, sV = base_addr + Cfg::kV;
-  const uint32_t sDs = base_addr + Cfg::kDs;
   auto sP = [&](int step) { return base_addr + Cfg::kP + (step % 2) * Cfg::kTileBytes; };
+  auto sDs = [&](int step) { return base_addr + Cfg::kDs + (step % 2) * Cfg::kTileBytes; };
   auto sQ = [&](int stage) { return base_addr + Cfg::kQ + stage * Cfg::kQBytes; };
   auto sDo = [&](int stage) { return base_addr + Cfg::kDo + stage * Cfg::kQBytes; };
   auto stat = [&](int offset, int stage, int row) {
@@ -111,13 +111,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
   const int consumer = warp_group - 1;
+  // Broadcast from lane 0, so that the descriptors built from it stay in uniform registers.
+  const int consumer_uniform = __shfl_sync(0xffffffff, consumer, 0);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   // Accumulator element i of an m64nN tile: row warp * 16 + accum_row(i), column accum_col(i).
   auto accum_row = [&](int i) { return warp * 16 + ((i % 4) / 2) * 8 + lane / 4; };
   auto accum_col = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
   // Elements i, i + 1 (one row, two adjacent keys) of P or dS in its [query][key] tile.
-  auto tile_offset = [&](int i) {
-    return ptx::sw128_offset(accum_row(i), accum_col(i) / 8) + (accum_col(i) % 8) * 2;
+  // Elements i, i + 1 (one row, two adjacent keys) of P or dS in its [query][key] tile, whose
+  // columns start column_bytes into the row.
+  auto tile_offset = [&](int i, uint32_t column_bytes) {
+    const int col = accum_col(i) + column_bytes / 2;
+    return ptx::sw128_offset(accum_row(i), col / 8) + (col % 8) * 2;
   };
   const float scale_log2 = p.scale * kLog2e;
   const int row0 = consumer * 128;  // this consumer's rows of dV^T and dK^T (head-dim columns)
@@ -142,88 +147,89 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::wgmma_commit();
   };
 
-  // S = Q K^T (consumer 0) or dP = dO V^T (consumer 1) of step s issued: queries x keys, k16 steps
-  // along the head dim, both operands K-major.
-  auto issue_scores = [&](float (&acc)[32], int s) {
+  // S = Q K^T and dP = dO V^T of step s over this consumer's 32 keys of the CTA's 64, issued:
+  // queries x keys, k16 steps along the head dim, both operands K-major; the keys start 32 rows
+  // (4 swizzle groups) into each panel.
+  auto issue_scores = [&](float (&s_acc)[16], float (&dp_acc)[16], int s) {
     const int stage = s % kStages, phase = (s / kStages) & 1;
-    const uint32_t rows = consumer == 0 ? sQ(stage) : sDo(stage), keys = consumer == 0 ? sK : sV;
-    ptx::mbarrier_wait(consumer == 0 ? barriers.q_full(stage) : barriers.do_full(stage), phase);
+    const uint32_t key_rows = consumer_uniform * (kBlockN / 2) * 128;
+    ptx::mbarrier_wait(barriers.q_full(stage), phase);
     ptx::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
       const uint32_t off_q = (ks / 4) * kBlockM * 128 + (ks % 4) * 32, off_k = (ks / 4) * kBlockN * 128 + (ks % 4) * 32;
-      ptx::wgmma_ss(acc, ptx::smem_desc_sw128(rows + off_q, 0), ptx::smem_desc_sw128(keys + off_k, 0), ks > 0, T{});
+      ptx::wgmma_ss(s_acc, ptx::smem_desc_sw128(sQ(stage) + off_q, 0), ptx::smem_desc_sw128(sK + key_rows + off_k, 0),
+                    ks > 0, T{});
+    }
+    ptx::wgmma_commit();
+    ptx::mbarrier_wait(barriers.do_full(stage), phase);
+    ptx::wgmma_fence();  // after the wait's branch
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const uint32_t off_q = (ks / 4) * kBlockM * 128 + (ks % 4) * 32, off_k = (ks / 4) * kBlockN * 128 + (ks % 4) * 32;
+      ptx::wgmma_ss(dp_acc, ptx::smem_desc_sw128(sDo(stage) + off_q, 0), ptx::smem_desc_sw128(sV + key_rows + off_k, 0),
+                    ks > 0, T{});
     }
     ptx::wgmma_commit();
   };
 
-  // Pipelined across steps: each consumer issues the next step's S or dP right behind this step's
-  // dV^T and dK^T, so the tensor cores have it queued while the other consumer computes P or dS.
-  // Every product is waited for inside the step that issues it: a wgmma in flight across the
-  // loop's back edge made ptxas serialise them all (C7514, C7515).
-  float acc[32];  // S or dP of the step
+  // Each step: both consumers compute P and dS of their 32 keys at once and store them; then each
+  // issues its rows of dV^T and dK^T over all 64 keys and, right behind them, the next step's S
+  // and dP, so that the tensor cores have those queued. Every product is waited for inside the
+  // step that issues it: with a wgmma in flight across the loop's back edge, or issued under a
+  // branch, ptxas serialised them all (C7514, C7515), so the last step is a separate copy.
+  float s_acc[16], dp_acc[16];
   if (walk.steps > 0) {
     ptx::mbarrier_wait(barriers.kv_full(), 0);
-    issue_scores(acc, 0);
+    issue_scores(s_acc, dp_acc, 0);
     ptx::wgmma_wait<0>();
-    ptx::fence_registers(acc);
+    ptx::fence_registers(s_acc);
+    ptx::fence_registers(dp_acc);
   }
-  // Step s (q_first its first query); issue_next: the next step's S or dP goes out behind its
-  // products. The last step is a separate copy: issued conditionally, the accumulators took
-  // register moves at the branch's join while the products were in flight (C7515).
   auto do_step = [&](int s, int q_first, auto issue_next) {
-    const int stage = s % kStages, phase = (s / kStages) & 1;
-    if (consumer == 0) {
-      // P, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
-      if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
+    const int stage = s % kStages;
+    const int key_first = k_first + consumer * (kBlockN / 2);  // this consumer's keys
+    // P, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
+    if (!band.all_visible(q_first, q_first + kBlockM - 1, key_first, key_first + kBlockN / 2 - 1)) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int q = q_first + accum_row(2 * h);
-          const Range seen = band.keys_seen_by(q);
+      for (int h = 0; h < 2; ++h) {
+        const int q = q_first + accum_row(2 * h);
+        const Range seen = band.keys_seen_by(q);
 #pragma unroll
-          for (int i = 0; i < 32; ++i) {
-            if ((i % 4) / 2 != h) continue;
-            const int k = k_first + accum_col(i);
-            if (k < seen.begin || k >= seen.end || !band.same_segment(q, k)) acc[i] = -INFINITY;
-          }
+        for (int i = 0; i < 16; ++i) {
+          if ((i % 4) / 2 != h) continue;
+          const int k = key_first + accum_col(i);
+          if (k < seen.begin || k >= seen.end || !band.same_segment(q, k)) s_acc[i] = -INFINITY;
         }
       }
-      const float lse[2] = {stat(Cfg::kLse, stage, accum_row(0)), stat(Cfg::kLse, stage, accum_row(2))};
-#pragma unroll
-      for (int i = 0; i < 32; i += 2) {
-        const float l = lse[(i % 4) / 2];
-        ptx::st_shared_b32(sP(s) + tile_offset(i), ptx::pack2<T>(ptx::exp2(acc[i] * scale_log2 - l),
-                                                              ptx::exp2(acc[i + 1] * scale_log2 - l)));
-      }
-      ptx::fence_proxy_async_shared();  // the P stores, before wgmma reads them
-      ptx::named_barrier_sync(kPReady, kConsumerThreads);
-      ptx::mbarrier_wait(barriers.do_full(stage), phase);
-    } else {
-      ptx::named_barrier_sync(kPReady, kConsumerThreads);
-      // dS = P (dP - delta) * scale, from the 16-bit P (the precision dV uses).
-      const float delta[2] = {stat(Cfg::kDelta, stage, accum_row(0)), stat(Cfg::kDelta, stage, accum_row(2))};
-#pragma unroll
-      for (int i = 0; i < 32; i += 2) {
-        const float d = delta[(i % 4) / 2];
-        const float2 prob = ptx::unpack2<T>(ptx::ld_shared_b32(sP(s) + tile_offset(i)));
-        ptx::st_shared_b32(sDs + tile_offset(i), ptx::pack2<T>(prob.x * (acc[i] - d) * p.scale,
-                                                               prob.y * (acc[i + 1] - d) * p.scale));
-      }
-      ptx::fence_proxy_async_shared();
-      ptx::mbarrier_wait(barriers.q_full(stage), phase);
     }
-    // dV^T += dO^T P, then (once dS is in) dK^T += Q^T dS.
+    const float lse[2] = {stat(Cfg::kLse, stage, accum_row(0)), stat(Cfg::kLse, stage, accum_row(2))};
+    const float delta[2] = {stat(Cfg::kDelta, stage, accum_row(0)), stat(Cfg::kDelta, stage, accum_row(2))};
+    // P and dS = P (dP - delta) * scale, into the [query][key] tiles at this consumer's columns.
+    const uint32_t column_bytes = consumer * (kBlockN / 2) * 2;
+#pragma unroll
+    for (int i = 0; i < 16; i += 2) {
+      const int r = (i % 4) / 2;
+      const float p0 = ptx::exp2(s_acc[i] * scale_log2 - lse[r]), p1 = ptx::exp2(s_acc[i + 1] * scale_log2 - lse[r]);
+      const uint32_t off = tile_offset(i, column_bytes);
+      ptx::st_shared_b32(sP(s) + off, ptx::pack2<T>(p0, p1));
+      ptx::st_shared_b32(sDs(s) + off, ptx::pack2<T>(p0 * (dp_acc[i] - delta[r]) * p.scale,
+                                                     p1 * (dp_acc[i + 1] - delta[r]) * p.scale));
+    }
+    ptx::fence_proxy_async_shared();  // the stores, before wgmma reads them
+    ptx::named_barrier_sync(kTilesReady, kConsumerThreads);
+    // dV^T += dO^T P, dK^T += Q^T dS, then the next step's S and dP.
     ptx::wgmma_fence();
     issue_transposed_products(dvt, sDo(stage), sP(s));
-    ptx::named_barrier_sync(kDsReady, kConsumerThreads);
-    issue_transposed_products(dkt, sQ(stage), sDs);
-    if constexpr (decltype(issue_next)::value) issue_scores(acc, s + 1);
-    // This step's products have landed (and the next step's S or dP): its Q and dO stage is free.
-    // Each consumer passes the next kPReady only after this wait, so once past it the other's
-    // products of this step are complete too: dS (one buffer) and the P buffer of step s + 2
-    // may be overwritten.
+    issue_transposed_products(dkt, sQ(stage), sDs(s));
+    if constexpr (decltype(issue_next)::value) issue_scores(s_acc, dp_acc, s + 1);
+    // This step's products have landed (and the next step's S and dP): its Q and dO stage is
+    // free. Each consumer passes the next kTilesReady only after this wait, so once past it the
+    // other's products of this step are complete too: the P and dS buffers of step s + 2 may be
+    // overwritten.
     ptx::wgmma_wait<0>();
-    ptx::fence_registers(acc);
+    ptx::fence_registers(s_acc);
+    ptx::fence_registers(dp_acc);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) ptx::fence_registers(dvt[mt]), ptx::fence_registers(dkt[mt]);
     ptx::mbarrier_arrive(barriers.q_empty(stage));
@@ -234,9 +240,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (walk.steps > 0) do_step(walk.steps - 1, step.m_block * kBlockM, std::false_type{});
 
   // Epilogue: dK^T and dV^T transposed into this consumer's column panels of the K and V tiles
-  // ([key][column], as the dk and dv tensor maps expect; every S and dP has landed before its
-  // step's kPReady, which both consumers passed, so K and V are unread), then TMA stores, which
-  // clip rows past seqlen_k.
+  // ([key][column], as the dk and dv tensor maps expect; every S and dP has landed before the
+  // last step's kTilesReady, which both consumers passed, so K and V are unread), then TMA
+  // stores, which clip rows past seqlen_k.
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
