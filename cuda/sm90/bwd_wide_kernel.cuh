@@ -117,7 +117,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Accumulator element i of an m64nN tile: row warp * 16 + accum_row(i), column accum_col(i).
   auto accum_row = [&](int i) { return warp * 16 + ((i % 4) / 2) * 8 + lane / 4; };
   auto accum_col = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
-  // Elements i, i + 1 (one row, two adjacent keys) of P or dS in its [query][key] tile.
   // Elements i, i + 1 (one row, two adjacent keys) of P or dS in its [query][key] tile, whose
   // columns start column_bytes into the row.
   auto tile_offset = [&](int i, uint32_t column_bytes) {
