@@ -124,6 +124,12 @@ def _dbias_shape(bias, q, k) -> tuple[int, ...]:
     return (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
 
 
+def _fwd_scratch_size(batch: int, seqlen_q: int, heads: int) -> int:
+    """int32 elements of the sm90 forward's scratch (FwdScratch in cuda/common/params.h): three
+    counters, then a flag and a list entry per 128-row tile."""
+    return 3 + 2 * batch * heads * -(-seqlen_q // 128)
+
+
 def forward(config, q, k, v, masks: KernelMasks, bias, mask):
     """(out [B, T, N, H], lse [B, N, T] float32) from the forward kernel, given the operands of
     `bias_operand` and `mask_operand`; under vmap, one call with the mapped axis folded into the
@@ -137,7 +143,7 @@ def forward(config, q, k, v, masks: KernelMasks, bias, mask):
             result_types = (
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((b, n, t), jnp.float32),
-                jax.ShapeDtypeStruct((1,), jnp.int32),  # tile counter scratch (the persistent sm90 forward)
+                jax.ShapeDtypeStruct((_fwd_scratch_size(b, t, n),), jnp.int32),  # the sm90 forward's tile scratch
             )
             out, lse, _ = call_kernel("jax_flash_fwd", result_types, (q, k, v, *masks, bias, mask), attrs)
             return out, lse

@@ -52,9 +52,25 @@ struct FwdParams {
   Strides4 bias_strides;
   const bool* mask;
   Strides4 mask_strides;
-  // The sm90 forward's tile counter: one int32 of scratch owned by XLA, zeroed by the launcher
-  // (the persistent CTAs take their tiles from it).
-  int* tile_counter;
+  // The sm90 forward's scratch (FwdScratch), owned by XLA.
+  int* tile_scratch;
+  int64_t tile_scratch_size;  // elements
+};
+
+// The layout of the sm90 forward's int32 scratch, for a kernel of `tiles` tiles: the persistent
+// CTAs take their tiles from a counter, and the first pass lists the tiles that the redo pass
+// must compute again (fwd_kernel.cuh). The launcher zeroes [0, kFlags + tiles).
+struct FwdScratch {
+  static constexpr int kCounter = 0;      // the first pass's tile counter
+  static constexpr int kRedoCounter = 1;  // the redo pass's
+  static constexpr int kRedoCount = 2;    // tiles listed
+  static constexpr int kFlags = 3;        // [tiles]: 1 where a tile is listed
+  static constexpr int redo_list(int tiles) { return kFlags + tiles; }  // [tiles]
+  static constexpr int64_t size(int64_t tiles) { return kFlags + 2 * tiles; }
+  // The size the caller allocates: enough for the smallest tiles (128 rows).
+  static constexpr int64_t size_for(int64_t batch, int64_t seqlen_q, int64_t heads) {
+    return size(batch * heads * ((seqlen_q + 127) / 128));
+  }
 };
 
 // A multiple of every backward kernel's query block (64, 80, 128): the statistics rows are padded

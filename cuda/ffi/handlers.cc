@@ -169,7 +169,7 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::Buffer<ffi::S32> kv_segments, ffi::Buffer<ffi::S32> q_chunks,
                     ffi::Buffer<ffi::S32> kv_chunks, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
                     ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                    ffi::Result<ffi::Buffer<ffi::S32>> tile_counter, float scale, float softcap,
+                    ffi::Result<ffi::Buffer<ffi::S32>> tile_scratch, float scale, float softcap,
                     int32_t window_left, int32_t window_right, int32_t kernels) {
   FwdParams p{};
   DType dtype;
@@ -183,11 +183,13 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   if (ffi::Error e = fill_bias(bias, mask, q.element_type(), &p); e.failure()) return e;
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
-  if (tile_counter->element_count() != 1) {
-    return ffi::Error::InvalidArgument("jax_flash: the tile counter scratch must have one element, got " +
-                                       shape_string(tile_counter->dimensions()));
+  const int64_t scratch_size = FwdScratch::size_for(p.batch, p.seqlen_q, p.heads);
+  if (int64_t(tile_scratch->element_count()) != scratch_size) {
+    return ffi::Error::InvalidArgument("jax_flash: the tile scratch must have " + std::to_string(scratch_size) +
+                                       " elements, got " + shape_string(tile_scratch->dimensions()));
   }
-  p.tile_counter = tile_counter->typed_data();
+  p.tile_scratch = tile_scratch->typed_data();
+  p.tile_scratch_size = scratch_size;
   if (ffi::Error e = check_kernel_family(kernels); e.failure()) return e;
   return launch_status(run_fwd(dtype, p, KernelFamily(kernels), stream), "forward");
 }
@@ -272,7 +274,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_fwd_handler, jax_flash::fwd_impl,
                                   .Arg<ffi::AnyBuffer>()  // boolean mask, broadcastable to [B, N, T, S], or empty
                                   .Ret<ffi::AnyBuffer>()  // o
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [B, N, T]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // tile counter scratch [1]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // tile scratch [FwdScratch::size_for(B, T, N)]
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")  // 0: none
                                   .Attr<int32_t>("window_left")

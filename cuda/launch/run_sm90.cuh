@@ -22,7 +22,9 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   constexpr int kHeadDim = Cfg::kHeadDim;
   const int64_t tiles = int64_t((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM) * p.batch * p.heads;
   if (tiles == 0) return cudaSuccess;
-  if (p.tile_counter == nullptr || tiles > INT32_MAX) return cudaErrorInvalidValue;
+  if (p.tile_scratch == nullptr || tiles > INT32_MAX || p.tile_scratch_size < FwdScratch::size(tiles)) {
+    return cudaErrorInvalidValue;
+  }
   sm90::FwdTensorMaps maps;
   for (cudaError_t e : {
            make_tensor_map_bthd(&maps.q, p.q, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
@@ -31,17 +33,25 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
        }) {
     if (e != cudaSuccess) return e;
   }
-  auto kernel = sm90::fwd_kernel<Cfg, kVariant>;
-  if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
+  auto kernel = sm90::fwd_kernel<Cfg, kVariant, false>;
+  auto redo_kernel = sm90::fwd_kernel<Cfg, kVariant, true>;
+  for (auto k : {kernel, redo_kernel}) {
+    if (cudaError_t e = allow_smem(k, Cfg::kSmemBytes); e != cudaSuccess) return e;
+  }
   // Persistent: one CTA per SM (the shared memory allows no more), each walking tiles.
   int device = 0, sms = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) {
     return e;
   }
-  if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream); e != cudaSuccess) return e;
+  const size_t zeroed = sizeof(int) * (FwdScratch::kFlags + tiles);
+  if (cudaError_t e = cudaMemsetAsync(p.tile_scratch, 0, zeroed, stream); e != cudaSuccess) return e;
+  // The redo pass finds its tiles (usually none) in the scratch: its CTAs past their number
+  // return at once.
   const int grid = int(tiles < sms ? tiles : sms);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  redo_kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
   return cudaGetLastError();
 }
 

@@ -93,13 +93,20 @@ struct FwdTile {
 // n_end - blocks. The producer and the consumers each derive it from the tile index; the rest
 // (batch, head) is recomputed where it is used, which keeps the consumers' registers for the
 // accumulators.
-template <typename Cfg, bool kMasked>
+// In the redo pass (kRedo) the tiles are those the first pass listed (FwdScratch).
+template <typename Cfg, bool kMasked, bool kRedo>
 struct FwdWork {
   int q_first, n_end, blocks;
   Band band;
   __device__ static int m_blocks(const FwdParams& p) { return (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM; }
-  __device__ static int tile_count(const FwdParams& p) { return m_blocks(p) * p.batch * p.heads; }
-  __device__ static FwdTile tile_of(int tile, const FwdParams& p) { return FwdTile::from(tile, m_blocks(p), p.heads); }
+  __device__ static int all_tiles(const FwdParams& p) { return m_blocks(p) * p.batch * p.heads; }
+  __device__ static int tile_count(const FwdParams& p) {
+    return kRedo ? p.tile_scratch[FwdScratch::kRedoCount] : all_tiles(p);
+  }
+  __device__ static FwdTile tile_of(int tile, const FwdParams& p) {
+    if constexpr (kRedo) tile = p.tile_scratch[FwdScratch::redo_list(all_tiles(p)) + tile];
+    return FwdTile::from(tile, m_blocks(p), p.heads);
+  }
   __device__ static FwdWork of(int tile, const FwdParams& p) {
     const FwdTile t = tile_of(tile, p);
     FwdWork w;
@@ -115,9 +122,12 @@ struct FwdWork {
 };
 
 // kVariant (params.h): which of the masks (mask.cuh) and the soft cap (logits.cuh) are read.
-// p.tile_counter: zeroed before the launch; CTA c starts with tile c, and claims each next one as
-// gridDim.x + (an increment of the counter) once it has issued the current tile's last copies.
-template <typename Cfg, Variant kVariant>
+// p.tile_scratch (FwdScratch): zeroed before the first pass; CTA c starts with tile c, and claims
+// each next one as gridDim.x + (an increment of its pass's counter) once it has issued the
+// current tile's last copies.
+// kRedo: the second pass, over the tiles the first listed (the softmax below says when), with the
+// exact softmax on every block.
+template <typename Cfg, Variant kVariant, bool kRedo>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdTensorMaps maps, const FwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -128,7 +138,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr float kLog2e = 1.4426950408889634f;
   static_assert(kVariant != Variant::kBias, "bias and mask run the sm80 kernels");
   constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
-  using Work = FwdWork<Cfg, kMasked>;
+  using Work = FwdWork<Cfg, kMasked, kRedo>;
 
   extern __shared__ char smem[];
   const uint32_t sQ = (ptx::smem_addr(smem) + 1023) & ~1023u;
@@ -220,7 +230,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // The next tile is claimed only now, a few blocks before the consumers finish this one:
       // claimed at the start, a long causal tile would stay reserved behind another long one
       // while CTAs that finished sit idle (measured: -10% at 16k causal).
-      tile = int(gridDim.x) + atomicAdd(p.tile_counter, 1);
+      tile = int(gridDim.x) + atomicAdd(p.tile_scratch + (kRedo ? FwdScratch::kRedoCounter : FwdScratch::kCounter), 1);
     }
     return;
   }
@@ -314,10 +324,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       ptx::wgmma_commit();
     };
-    // Soft cap, band mask (only blocks that straddle the band or the end of the keys), then the
-    // online softmax of block j: S becomes exp2(S - max) in place; returns the factor O must be
-    // scaled by.
-    auto softmax = [&](float (&s)[kSRegs], int j, float (&rescale)[2]) {
+    // Soft cap, then the band mask (only blocks that straddle the band or the end of the keys).
+    auto cap_and_mask = [&](float (&s)[kSRegs], int j) {
       const int k_first = w.key_first(j);
       if constexpr (kSoftcap) {
 #pragma unroll
@@ -337,34 +345,97 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           }
         });
       }
+    };
+    // The maximum of row r of the block (its four threads' columns).
+    auto block_row_max = [&](const float (&s)[kSRegs], int r) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int n8 = 0; n8 < kBlockN / 8; ++n8) m = fmaxf(m, fmaxf(s[4 * n8 + 2 * r], s[4 * n8 + 2 * r + 1]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+      return fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
+    };
+    // A row that has seen nothing visible keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
+    auto shift_of = [&](int r) { return row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2; };
+    // S becomes exp2(S * scale_log2 - shift) in place; returns this thread's sum of the row.
+    auto exponentiate = [&](float (&s)[kSRegs], int r, float shift) {
+      float sum = 0.f;
+#pragma unroll
+      for (int n8 = 0; n8 < kBlockN / 8; ++n8)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& x = s[4 * n8 + 2 * r + c];
+          x = ptx::exp2(x * scale_log2 - shift);
+          sum += x;
+        }
+      return sum;
+    };
+    // The online softmax of block j, exact: the rows' maxima first, then S becomes exp2(S - max)
+    // in place; returns the factor O must be scaled by.
+    auto softmax_exact = [&](float (&s)[kSRegs], int j, float (&rescale)[2]) {
+      cap_and_mask(s, j);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float block_max = row_max[r];
-#pragma unroll
-        for (int n8 = 0; n8 < kBlockN / 8; ++n8) {
-          block_max = fmaxf(block_max, fmaxf(s[4 * n8 + 2 * r], s[4 * n8 + 2 * r + 1]));
-        }
-        block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
-        block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
+        const float block_max = fmaxf(row_max[r], block_row_max(s, r));
         // Lazy rescale (FlashAttention-4's): the row keeps its old max, and O its scale, unless the
         // block exceeds it by more than kLazyRescaleLog2, so exp2 gives at most 2^8. The
         // comparison is false (inf or NaN) while the row has seen nothing visible.
         const bool keep = (block_max - row_max[r]) * scale_log2 <= kLazyRescaleLog2;
         const float old_max = row_max[r];
         if (!keep) row_max[r] = block_max;
-        // A row that has seen nothing visible keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
-        const float shift = row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2;
+        const float shift = shift_of(r);
         rescale[r] = keep ? 1.f : ptx::exp2(old_max * scale_log2 - shift);
-        float sum = 0.f;
+        row_sum[r] = row_sum[r] * rescale[r] + exponentiate(s, r, shift);
+      }
+    };
+    // The same, speculative: exp2 against the rows' current maxima straight away, without taking
+    // the block's (its FMNMX were a sixth of the softmax's instructions, and the exp2s waited for
+    // them: 12-16% of the forward at d = 128). Where a thread's sum of a row exceeds 2^8 (so may an
+    // element: the bound the exact softmax keeps), the warp takes the maxima of what it computed
+    // and scales it down. An element past 2^120 is lost (past 2^128 it is inf, and 1 / it flushes
+    // to 0 from 2^126): the tile is listed for the redo pass, which computes it again exactly. That
+    // takes a logit above every earlier one of its row by 83 (scaled logit units). A warp with a
+    // row that has no max yet takes the exact softmax (against a shift of 0, a block's logits
+    // could all flush to 0).
+    auto softmax_speculative = [&](float (&s)[kSRegs], int j, float (&rescale)[2], int tile) {
+      constexpr float kMaxP = 1 << int(kLazyRescaleLog2), kLostP = 0x1p120f;
+      if (!__all_sync(0xffffffff, row_max[0] != -INFINITY && row_max[1] != -INFINITY)) {
+        softmax_exact(s, j, rescale);
+        return;
+      }
+      cap_and_mask(s, j);
+      float sum[2];
 #pragma unroll
-        for (int n8 = 0; n8 < kBlockN / 8; ++n8)
+      for (int r = 0; r < 2; ++r) sum[r] = exponentiate(s, r, row_max[r] * scale_log2);
+      if (__all_sync(0xffffffff, sum[0] <= kMaxP && sum[1] <= kMaxP)) {
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            float& x = s[4 * n8 + 2 * r + c];
-            x = ptx::exp2(x * scale_log2 - shift);
-            sum += x;
-          }
-        row_sum[r] = row_sum[r] * rescale[r] + sum;
+        for (int r = 0; r < 2; ++r) {
+          rescale[r] = 1.f;
+          row_sum[r] += sum[r];
+        }
+        return;
+      }
+      bool lost = false;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m = block_row_max(s, r);  // in units of 2^shift
+        lost |= !(m < kLostP);
+        rescale[r] = 1.f;
+        if (m > kMaxP && m < kLostP) {
+          rescale[r] = 1.f / m;
+          row_max[r] += __log2f(m) / scale_log2;
+          sum[r] *= rescale[r];
+#pragma unroll
+          for (int n8 = 0; n8 < kBlockN / 8; ++n8)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) s[4 * n8 + 2 * r + c] *= rescale[r];
+        }
+        row_sum[r] = row_sum[r] * rescale[r] + sum[r];
+      }
+      if (__any_sync(0xffffffff, lost) && lane == 0) {
+        int* scratch = p.tile_scratch;
+        if (atomicExch(scratch + FwdScratch::kFlags + tile, 1) == 0) {
+          scratch[FwdScratch::redo_list(Work::all_tiles(p)) + atomicAdd(scratch + FwdScratch::kRedoCount, 1)] = tile;
+        }
       }
     };
     // P as the A fragments of the k16 steps over this block's keys (n8 tiles 2kk and 2kk + 1: the
@@ -404,7 +475,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::wgmma_wait<0>();
       ptx::fence_registers(s);
       release_k(0);
-      softmax(s, 0, rescale);
+      softmax_exact(s, 0, rescale);
       to_operand(s, pa);
       for (int j = 1; j < blocks; ++j) {
         wait_turn();
@@ -414,7 +485,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         ptx::wgmma_wait<1>();  // S_j is in; P_{j-1} V_{j-1} may still run
         ptx::fence_registers(s);
         release_k(j);
-        softmax(s, j, rescale);
+        if constexpr (kRedo) {
+          softmax_exact(s, j, rescale);
+        } else {
+          softmax_speculative(s, j, rescale, tile);
+        }
         ptx::wgmma_wait<0>();
         fence_o();
         ptx::fence_registers(pa);  // read by that wgmma until now
