@@ -152,24 +152,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto issue_scores = [&](float (&s_acc)[16], float (&dp_acc)[16], int s) {
     const int stage = s % kStages, phase = (s / kStages) & 1;
     const uint32_t key_rows = consumer_uniform * (kBlockN / 2) * 128;
+    // rows (queries) x keys of one product, from its query tile and its key tile's first key
+    auto issue = [&](float (&acc)[16], uint32_t query_tile, uint32_t keys) {
+      ptx::wgmma_fence();  // after the stage wait's branch
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+        const uint32_t off_q = (ks / 4) * kBlockM * 128 + (ks % 4) * 32, off_k = (ks / 4) * kBlockN * 128 + (ks % 4) * 32;
+        ptx::wgmma_ss(acc, ptx::smem_desc_sw128(query_tile + off_q, 0), ptx::smem_desc_sw128(keys + off_k, 0), ks > 0,
+                      T{});
+      }
+      ptx::wgmma_commit();
+    };
     ptx::mbarrier_wait(barriers.q_full(stage), phase);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      const uint32_t off_q = (ks / 4) * kBlockM * 128 + (ks % 4) * 32, off_k = (ks / 4) * kBlockN * 128 + (ks % 4) * 32;
-      ptx::wgmma_ss(s_acc, ptx::smem_desc_sw128(sQ(stage) + off_q, 0), ptx::smem_desc_sw128(sK + key_rows + off_k, 0),
-                    ks > 0, T{});
-    }
-    ptx::wgmma_commit();
+    issue(s_acc, sQ(stage), sK + key_rows);
     ptx::mbarrier_wait(barriers.do_full(stage), phase);
-    ptx::wgmma_fence();  // after the wait's branch
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      const uint32_t off_q = (ks / 4) * kBlockM * 128 + (ks % 4) * 32, off_k = (ks / 4) * kBlockN * 128 + (ks % 4) * 32;
-      ptx::wgmma_ss(dp_acc, ptx::smem_desc_sw128(sDo(stage) + off_q, 0), ptx::smem_desc_sw128(sV + key_rows + off_k, 0),
-                    ks > 0, T{});
-    }
-    ptx::wgmma_commit();
+    issue(dp_acc, sDo(stage), sV + key_rows);
   };
 
   // Each step: both consumers compute P and dS of their 32 keys at once and store them; then each
