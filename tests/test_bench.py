@@ -24,5 +24,8 @@ def test_masks_benchmark(capsys):
     rows = bench.main(["--masks"])
     assert [r["case"] for r in rows][0] == "causal" and len(rows) == len(bench_masks.cases(64, jnp.float32)) == 7
     assert all(r["fwd"] > 0 and r["fwd_bwd"] > r["fwd"] for r in rows)
+    # Fractions of causal round by round (the cases interleaved, as bench.measure times them).
+    assert all(len(r["fwd_rounds"]) == len(r["fwd_bwd_rounds"]) == bench.ROUNDS for r in rows)
+    assert rows[0]["fwd_rounds"] == [1.0] * bench.ROUNDS and min(rows[1]["fwd_rounds"]) > 0
     out = capsys.readouterr().out
     assert "| 8 packed documents (causal) |" in out and "| softcap 30 (causal) |" in out and "| bias [1, 1, T, S] (causal) |" in out and "fwd / causal" in out
