@@ -46,11 +46,12 @@ def run(implementation, q, k, v, g_out, **kw):
 def check(dtype, b, t, s, n, kv_heads, h, key_growth=1.0, **kw):
     """Both kernel families ("best", then the sm80 kernels alone) against the float64 reference
     and the xla path; returns the inputs and the "best" results. key_growth: the first key is
-    scaled by it, the last by 1, linearly in between."""
+    scaled by 1, the last by it, linearly in between (the sm90 forward visits the keys first to
+    last, so each key block raises the rows' maxima)."""
     rng = rng_for("cuda", dtype, b, t, s, n, kv_heads, h, key_growth, tuple(sorted(kw.items())))
     q, k, v = qkv(rng, dtype, b, t, s, n, kv_heads, h)
     if key_growth != 1.0:
-        growth = jnp.linspace(key_growth, 1.0, s)[None, :, None, None]
+        growth = jnp.linspace(1.0, key_growth, s)[None, :, None, None]
         k = (k.astype(jnp.float32) * growth).astype(dtype)
     g_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     xla = run("xla", q, k, v, g_out, **kw)
@@ -108,10 +109,10 @@ def test_long_causal_rows_at_64(t, s):
 @pytest.mark.parametrize("h", [64, 128, 256])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_row_maxima_growing_across_key_blocks(h, is_causal):
-    """The sm90 forward visits key blocks from the last one down and keeps a row's old maximum
-    until a block exceeds it by 8 in exp2 units (lazy rescale, fwd_kernel.cuh): keys growing
-    towards the start of the row raise the maxima by a few units a block, so that some blocks
-    keep the old maximum and others rescale O."""
+    """The sm90 forward visits key blocks first to last and keeps a row's old maximum until a
+    block exceeds it by 8 in exp2 units (lazy rescale, fwd_kernel.cuh): keys growing towards the
+    end of the row raise the maxima by a few units a block, so that some blocks keep the old
+    maximum and others rescale O."""
     check(jnp.bfloat16, 1, 1000, 1000, 2, 2, h, key_growth=8.0, is_causal=is_causal)
 
 
@@ -120,7 +121,7 @@ def test_row_maxima_growing_across_key_blocks(h, is_causal):
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_logits_far_above_those_seen_before(dtype, h, key_growth, is_causal):
     """After a tile's first key block, the sm90 forward's softmax takes exp2 against each row's
-    maximum so far (speculative, fwd_kernel.cuh). Keys growing steeply towards the start of the
+    maximum so far (speculative, fwd_kernel.cuh). Keys growing steeply towards the end of the
     row (visited last) exceed it block after block: by far more than 2^8 at 40 (the warp takes the
     block's maxima and scales it down; some rows past 2^120), past 2^120 at 300 (the tile is
     listed, and the redo pass computes it again exactly)."""
