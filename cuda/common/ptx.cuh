@@ -102,28 +102,25 @@ __device__ __forceinline__ void accumulators_to_a(uint32_t (&a)[4], const float 
   a[3] = pack2<T>(hi[2], hi[3]);
 }
 
+// One butterfly step between lanes `mask` apart: of each pair (lo, hi), the lane with `set`
+// gives lo and takes its partner's hi in its place, the partner gives hi and takes lo. (Selects,
+// not a computed index into an array, which would put the array in local memory.)
+__device__ __forceinline__ void butterfly_swap(uint32_t& lo, uint32_t& hi, bool set, int mask) {
+  const uint32_t got = __shfl_xor_sync(0xffffffff, set ? lo : hi, mask);
+  lo = set ? got : lo;
+  hi = set ? hi : got;
+}
+
 // The four lanes of a quad (lanes 4i..4i+3) each hold a row of a 4 x 4 matrix of 32-bit values in
-// a; afterwards lane quad_lane holds its column (a[i] = what lane i held in a[quad_lane]). Two
-// butterfly steps: the off-diagonal 2 x 2 blocks swap (lane ^ 2), then each 2 x 2 block is
-// transposed (lane ^ 1). Every lane of the warp must take part.
+// a; afterwards lane quad_lane holds its column (a[i] = what lane i held in a[quad_lane]): the
+// off-diagonal 2 x 2 blocks swap (lane ^ 2), then each 2 x 2 block is transposed (lane ^ 1).
+// Every lane of the warp must take part.
 __device__ __forceinline__ void quad_transpose(uint32_t (&a)[4], int quad_lane) {
   const bool upper = quad_lane & 2, odd = quad_lane & 1;
-  uint32_t s0 = upper ? a[0] : a[2], s1 = upper ? a[1] : a[3];
-  s0 = __shfl_xor_sync(0xffffffff, s0, 2);
-  s1 = __shfl_xor_sync(0xffffffff, s1, 2);
-  // (Selects, not a[upper ? 0 : 2]: a computed index would put the array in local memory.)
-  a[0] = upper ? s0 : a[0];
-  a[2] = upper ? a[2] : s0;
-  a[1] = upper ? s1 : a[1];
-  a[3] = upper ? a[3] : s1;
-  s0 = odd ? a[0] : a[1];
-  s1 = odd ? a[2] : a[3];
-  s0 = __shfl_xor_sync(0xffffffff, s0, 1);
-  s1 = __shfl_xor_sync(0xffffffff, s1, 1);
-  a[0] = odd ? s0 : a[0];
-  a[1] = odd ? a[1] : s0;
-  a[2] = odd ? s1 : a[2];
-  a[3] = odd ? a[3] : s1;
+  butterfly_swap(a[0], a[2], upper, 2);
+  butterfly_swap(a[1], a[3], upper, 2);
+  butterfly_swap(a[0], a[1], odd, 1);
+  butterfly_swap(a[2], a[3], odd, 1);
 }
 
 // threadIdx.x, read where it is used: the compiler cannot keep it in a register from an earlier read.
