@@ -207,6 +207,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // accum_col(i). (dQ's tile leaves in register order, sm90/dq_tiles.cuh.)
   auto accum_row = [&](int i) { return ((i % 4) / 2) * 8 + lane / 4; };
   auto accum_col = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
+  // The byte offset of this thread's first statistics column, kept in a register (not with a cap,
+  // where the register made H = 64 spill): rebuilt each step from the thread index, its S2R held
+  // up the step's first product.
+  uint32_t stats_offset = accum_col(0) * 4;
+  if constexpr (!kSoftcap) asm volatile("" : "+r"(stats_offset));
+  // Where this thread's lane addresses dS's 8 x 8 tiles for stmatrix (see the dS^T loop), in the
+  // buffer: kept in registers like stats_offset, except at 80-query steps (where they spilled) and
+  // with a cap: rebuilt each step from the thread index, its S2R holds up dS's first store (2% of
+  // the stall samples at 80 queries).
+  uint32_t ds_lane_offset, ds_chunk_bits = 0;
+  {
+    const int m = lane / 8, r = lane % 8;
+    if constexpr (Cfg::kDqTransposed) {
+      // dS (row = query, 16-byte chunk = 8 keys: this consumer's keys are its own 64-key panel),
+      // the tiles transposed: row r of tile m is query kk * 16 + (m / 2) * 8 + r, whose row in
+      // its group of 8 is r, so the swizzle is the same at every kk.
+      ds_lane_offset = consumer * Cfg::kDsPanelBytes + ((m / 2) * 8 + r) * 128 + (((warp * 2 + m % 2) ^ r) * 16);
+    } else {
+      // dS^T (row = key of the CTA's 128, 16-byte chunk = 8 queries). ptx::sw128_offset(row,
+      // 2 kk + m / 2) with the swizzle hoisted out of the loop: (2 kk + m / 2) ^ (row % 8) =
+      // 2 kk ^ (m / 2 ^ row % 8), one XOR a tile (the helper cost 8 more instructions a step at
+      // H = 64).
+      ds_lane_offset = (consumer * 64 + warp * 16 + (m % 2) * 8 + r) * 128;
+      ds_chunk_bits = ((m / 2) ^ r) * 16;
+    }
+  }
+  if constexpr (!kSoftcap && !Cfg::kDqTransposed) asm volatile("" : "+r"(ds_lane_offset), "+r"(ds_chunk_bits));
   const auto logits = Logits<cap_of(kVariant)>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
 
@@ -215,12 +242,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
 
   // S^T = K Q^T or dP^T = V dO^T of step s issued: k16 steps along the head dim, 4 per 64-column
-  // panel; `keys` is K or V, `queries` the stage's Q or dO, `full` its barrier.
+  // panel; `keys` is K or V, `queries` the stage's Q or dO, `full` its barrier (0: already waited
+  // for).
   constexpr int kSRegs = kBlockM / 2;  // 64 keys x kBlockM queries
   auto issue_transposed = [&](float (&acc)[kSRegs], uint32_t keys, uint32_t queries, uint32_t full, int s) {
     const uint64_t key_desc = ptx::smem_desc_sw128(keys + consumer_uniform * 64 * 128, 0);
     const uint64_t query_desc = ptx::smem_desc_sw128(queries, 0);
-    ptx::mbarrier_wait(full, (s / kStages) & 1);
+    if (full != 0) ptx::mbarrier_wait(full, (s / kStages) & 1);
     ptx::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
@@ -247,23 +275,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int q_first = step.m_block * kBlockM;
     const uint32_t ds_buffer = sDs(s);
     float st[kSRegs], dpt[kSRegs];
-    issue_transposed(st, sK, sQ(stage), barriers.q_full(stage), s);
-    issue_transposed(dpt, sV, sDo(stage), barriers.do_full(stage), s);
-    // This thread's columns' statistics (two adjacent queries per n8 tile), read while the
-    // products run: stats(stage base)[n] = values of columns accum_col(4 n), accum_col(4 n) + 1.
+    // Taken before the products: taken after them, its bounds' registers made the lse spill.
+    const bool whole = band.all_visible(q_first, q_first + kBlockM - 1, key0, key0 + 63);
+    // This thread's columns' statistics (two adjacent queries per n8 tile): stats(stage base)[n]
+    // = values of columns accum_col(4 n), accum_col(4 n) + 1.
     auto stats_of_tile = [&](uint32_t stats, int n) {
-      const float* f = reinterpret_cast<const float*>(base + (stats - base_addr));
-      return *reinterpret_cast<const float2*>(f + accum_col(4 * n));
+      const char* stage_stats = base + (stats - base_addr);
+      if constexpr (kSoftcap) {  // from the thread index, as stats_offset says
+        return *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(stage_stats) + accum_col(4 * n));
+      }
+      return *reinterpret_cast<const float2*>(stage_stats + stats_offset + n * 32);
     };
     auto load_stats = [&](uint32_t stats, float2 (&v)[kBlockM / 8]) {
 #pragma unroll
       for (int n = 0; n < kBlockM / 8; ++n) v[n] = stats_of_tile(stats, n);
     };
-    // Read while the products run, except with a cap or 128-query steps, which have no registers
-    // for them.
-    constexpr bool kEarlyLse = !kSoftcap && kBlockM == 64;
+    // lse is read into registers before S^T is issued, except with a cap or 128-query steps, which
+    // have no registers for it: read behind the products, the loads queued behind their operand
+    // reads in shared memory, and the exp2 waited for them (8% of the stall samples at 80 queries).
+    constexpr bool kEarlyLse = !kSoftcap && kBlockM <= 80;
     float2 lse[kBlockM / 8];
-    if constexpr (kEarlyLse) load_stats(sLse(stage), lse);
+    if constexpr (kEarlyLse) {
+      ptx::mbarrier_wait(barriers.q_full(stage), (s / kStages) & 1);
+      load_stats(sLse(stage), lse);
+    }
+    // Not waited for again: behind the loads, the barrier's test waited its turn in the same queue
+    // (3% of the stall samples).
+    issue_transposed(st, sK, sQ(stage), kEarlyLse ? 0u : barriers.q_full(stage), s);
+    issue_transposed(dpt, sV, sDo(stage), barriers.do_full(stage), s);
 
     // P^T, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
     ptx::wgmma_wait<kSoftcap ? 0 : 1>();
@@ -287,7 +326,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       }
     }
-    if (!band.all_visible(q_first, q_first + kBlockM - 1, key0, key0 + 63)) {
+    if (!whole) {
       const int k0 = key0 + warp * 16 + lane / 4;  // this thread's keys: k0 and k0 + 8
       const Range seeing[2] = {band.queries_seeing(k0), band.queries_seeing(k0 + 8)};
 #pragma unroll
@@ -309,9 +348,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int j = 0; j < 4; ++j) pa[kk][j] = ptx::pack2<T>(st[8 * kk + 2 * j], st[8 * kk + 2 * j + 1]);
 
-    // delta * scale, read before dV is issued, except with a cap (folded into dpt above) or 80-query
-    // steps (read where dS^T needs them, for registers).
-    constexpr bool kEarlyDelta = !kSoftcap && !Cfg::kDqTransposed;
+    // delta * scale, read before dV is issued (so ahead of its operand reads), except with a cap
+    // (folded into dpt above). Read where dS^T needs them, at 80-query steps the FMULs that scale
+    // them were 6% of the stall samples.
+    constexpr bool kEarlyDelta = !kSoftcap;
     auto scaled_delta = [&](int n) {
       const float2 d = stats_of_tile(sDelta(stage), n);
       return float2{d.x * p.scale, d.y * p.scale};
@@ -333,23 +373,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // dsa[kk][m] is the 8 x 8 tile of keys (m % 2) * 8 of this warp's 16 and queries
     // (2 kk + m / 2) * 8: to shared memory for dQ by stmatrix, lane 8 m + r giving the address of
     // the tile's row r in memory.
-    const int m = lane / 8, r = lane % 8;
-    uint32_t ds_lane_addr, ds_chunk_bits = 0;
-    if constexpr (Cfg::kDqTransposed) {
-      // dS (row = query, 16-byte chunk = 8 keys: this consumer's keys are its own 64-key panel),
-      // the tiles transposed: row r of tile m is query kk * 16 + (m / 2) * 8 + r, whose row in
-      // its group of 8 is r, so the swizzle is the same at every kk.
-      ds_lane_addr =
-          ds_buffer + consumer * Cfg::kDsPanelBytes + ((m / 2) * 8 + r) * 128 + (((warp * 2 + m % 2) ^ r) * 16);
-    } else {
-      // dS^T (row = key of the CTA's 128, 16-byte chunk = 8 queries). ptx::sw128_offset(row,
-      // 2 kk + m / 2) with the swizzle hoisted out of the loop: (2 kk + m / 2) ^ (row % 8) =
-      // 2 kk ^ (m / 2 ^ row % 8), one XOR a tile (the helper cost 8 more instructions a step at
-      // H = 64).
-      const int ds_row = consumer * 64 + warp * 16 + (m % 2) * 8 + r;
-      ds_lane_addr = ds_buffer + ds_row * 128;
-      ds_chunk_bits = ((m / 2) ^ r) * 16;
-    }
+    const uint32_t ds_lane_addr = ds_buffer + ds_lane_offset;
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
 #pragma unroll
