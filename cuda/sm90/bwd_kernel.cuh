@@ -281,7 +281,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // = values of columns accum_col(4 n), accum_col(4 n) + 1.
     auto stats_of_tile = [&](uint32_t stats, int n) {
       const char* stage_stats = base + (stats - base_addr);
-      if constexpr (kSoftcap) {  // from the thread index, as stats_offset says
+      if constexpr (kSoftcap) {
+        // The same address from accum_col: with a cap, this form (not stats_offset + n * 32) is the
+        // one that keeps the H = 64 kernel free of spills.
         return *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(stage_stats) + accum_col(4 * n));
       }
       return *reinterpret_cast<const float2*>(stage_stats + stats_offset + n * 32);
