@@ -11,7 +11,9 @@ The grid is the FlashAttention papers': 16k tokens per batch (batch = 16384 / se
 forward. Each time is the median of 6 rounds, one wall-clock loop of every implementation a
 round (10 to 200 calls, about 25 ms), after a warm-up. The rounds interleave the implementations,
 ours and the reference back to back, the order reversed every other round, so that a drift of the
-clocks during a run, or an advantage of going first, moves both alike. Backward = (forward +
+clocks during a run, or an advantage of going first, moves both alike. On a GPU each timed loop
+starts after a 0.1 s rest: the H100 runs at its 700 W power cap under these kernels, and without a
+rest a loop ran 3-20% slower or faster depending on which implementation's loop came just before. Backward = (forward +
 backward) - forward, per round. The ratio to the reference column is the median of the 6 rounds'
 ratios, with their range: a difference inside that range is noise. On a CPU the grid shrinks
 and the xla paths are compared.
@@ -83,6 +85,13 @@ def implementations(on_gpu: bool) -> dict[str, Callable]:
 # included, so neither may go first more often.
 ROUNDS = 6
 LOOP_SECONDS = 0.025
+# The GPU's idle time before every timed loop. Under these kernels the H100 sits at its power cap
+# (700 W, clocks down to ~1.5 GHz), and a loop's clocks then depend on the power drawn just before:
+# right after another implementation's loop, a loop ran 3-20% slower than after a rest, by an
+# amount that depended on that neighbour (2026-11-24: FlashAttention-3's forward at d = 128, 16k
+# took 3.74 ms after ours, 3.60 after cuDNN's, 3.29 after 0.1 s idle). From 0.1 s on, every
+# loop's time was the same whatever ran before (within 1%), and the same as after 0.5 s.
+REST_SECONDS = 0.1
 
 
 def _loop_seconds(fn, args, calls: int = 10) -> float:
@@ -147,16 +156,22 @@ def measure(impls: dict[str, Callable], shape: Shape, dtype, rounds: int = ROUND
         fwd_bwd = _warmed(fwd_bwd, fwd_bwd_args) if fwd else None
         loops[name] = (fwd, fwd and _calls_per_loop(fwd, fwd_args),
                        fwd_bwd, fwd_bwd and _calls_per_loop(fwd_bwd, fwd_bwd_args))
+    rest = REST_SECONDS if jax.default_backend() == "gpu" else 0.0
+
+    def rested_loop_seconds(fn, args, calls):
+        time.sleep(rest)
+        return _loop_seconds(fn, args, calls)
+
     samples = {name: [] for name in impls}
     for round_ in range(rounds):
         order = list(impls) if round_ % 2 == 0 else list(impls)[::-1]
         t_fwd, t_fwd_bwd = {}, {}
         for name in order:
             fwd, calls, _, _ = loops[name]
-            t_fwd[name] = _loop_seconds(fwd, fwd_args, calls) if fwd else None
+            t_fwd[name] = rested_loop_seconds(fwd, fwd_args, calls) if fwd else None
         for name in order[::-1]:
             _, _, fwd_bwd, calls = loops[name]
-            t_fwd_bwd[name] = _loop_seconds(fwd_bwd, fwd_bwd_args, calls) if fwd_bwd else None
+            t_fwd_bwd[name] = rested_loop_seconds(fwd_bwd, fwd_bwd_args, calls) if fwd_bwd else None
         for name in impls:
             t_bwd = None if t_fwd_bwd[name] is None else max(t_fwd_bwd[name] - t_fwd[name], 1e-9)
             samples[name].append((t_fwd[name], t_bwd))
