@@ -7,9 +7,11 @@
 // another warp adds the consumers' dQ parts to global memory. Warp groups 1 and 2 are consumers
 // of 64 keys each. Per step a consumer computes, all by wgmma with fp32 accumulators:
 //   S^T  = K Q^T    and  dP^T = V dO^T      (both operands in shared memory)
-//   P^T  = exp2(S^T * scale * log2 e - lse_log2),  dS^T = P^T (dP^T - delta) * scale
+//   P^T  = exp2(S^T * scale * log2 e - lse_log2),  dS^T = P^T (dP^T - delta)
 //   dV  += P^T dO   and  dK  += dS^T Q      (P^T, dS^T from registers)
 //   dQ   = dS K, or dQ^T = K^T dS^T         (dS^T or dS through shared memory)
+// The logits' scale is left out of dS^T (an FMUL a delta and an FFMA a dS element fewer a step):
+// dK takes it in the epilogue, dQ in its conversion (dq_from_tiles).
 // Computing S and dP transposed (keys as rows) puts P^T and dS^T in registers in the layout of a
 // wgmma A operand, so dV and dK need no trip through shared memory; only dQ, whose rows are
 // queries, reads dS from there. dQ needs every key block's share: each consumer writes its fp32
@@ -350,24 +352,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int j = 0; j < 4; ++j) pa[kk][j] = ptx::pack2<T>(st[8 * kk + 2 * j], st[8 * kk + 2 * j + 1]);
 
-    // delta * scale, read before dV is issued (so ahead of its operand reads), except with a cap
-    // (folded into dpt above). Read where dS^T needs them, at 80-query steps the FMULs that scale
+    // delta, read before dV is issued (so ahead of its operand reads), except with a cap (folded
+    // into dpt above). Read where dS^T needed them, at 80-query steps the FMULs that then scaled
     // them were 6% of the stall samples.
-    constexpr bool kEarlyDelta = !kSoftcap;
-    auto scaled_delta = [&](int n) {
-      const float2 d = stats_of_tile(sDelta(stage), n);
-      return float2{d.x * p.scale, d.y * p.scale};
-    };
-    if constexpr (kEarlyDelta) {
-#pragma unroll
-      for (int n = 0; n < kBlockM / 8; ++n) delta[n] = scaled_delta(n);
-    }
+    if constexpr (!kSoftcap) load_stats(sDelta(stage), delta);
 
     // dV += P^T dO.
     ptx::wgmma_fence();
     issue_over_queries(dv, pa, sDo(stage));
 
-    // dS^T = P^T (dP^T scale - delta scale) (with a cap, dpt holds (dP^T - delta) * slope), from
+    // dS^T = P^T (dP^T - delta) (with a cap, dpt holds (dP^T - delta) * slope already), from
     // the 16-bit P (the precision dV used).
     ptx::wgmma_wait<1>();
     ptx::fence_registers(dpt);
@@ -382,8 +376,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int j = 0; j < 4; ++j) {
         const int i = 8 * kk + 2 * j;  // elements i, i + 1: one row, two adjacent queries
         const float2 prob = ptx::unpack2<T>(pa[kk][j]);
-        const float2 d = kSoftcap ? float2{0.f, 0.f} : kEarlyDelta ? delta[i / 4] : scaled_delta(i / 4);
-        dsa[kk][j] = ptx::pack2<T>(prob.x * fmaf(dpt[i], p.scale, -d.x), prob.y * fmaf(dpt[i + 1], p.scale, -d.y));
+        float2 ds = {dpt[i], dpt[i + 1]};
+        if constexpr (!kSoftcap) ds = {ds.x - delta[i / 4].x, ds.y - delta[i / 4].y};
+        dsa[kk][j] = ptx::pack2<T>(prob.x * ds.x, prob.y * ds.y);
       }
       if constexpr (Cfg::kDqTransposed) {
         ptx::stmatrix_x4_trans(ds_lane_addr + kk * 2048, dsa[kk][0], dsa[kk][1], dsa[kk][2], dsa[kk][3]);
@@ -459,7 +454,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   for (int i = 0; i < kHeadDim / 2; i += 2) {
     const int row = consumer * 64 + warp * 16 + accum_row(i), col = accum_col(i);
     const uint32_t off = (col / 64) * kBlockN * 128 + ptx::sw128_offset(row, (col % 64) / 8) + (lane % 4) * 4;
-    ptx::st_shared_b32(sK + off, ptx::pack2<T>(dk[i], dk[i + 1]));
+    ptx::st_shared_b32(sK + off, ptx::pack2<T>(dk[i] * p.scale, dk[i + 1] * p.scale));
     ptx::st_shared_b32(sV + off, ptx::pack2<T>(dv[i], dv[i + 1]));
   }
   ptx::fence_proxy_async_shared();

@@ -58,7 +58,8 @@ __global__ void __launch_bounds__(128) dq_from_tiles(const BwdParams p) {
   const uint32_t staged = ptx::smem_addr(staging);
 #pragma unroll
   for (int c = 0; c < Tiles::kChunks; ++c) {
-    const float4 v = tile[Tiles::chunk(c, t)];
+    float4 v = tile[Tiles::chunk(c, t)];
+    v = {v.x * p.scale, v.y * p.scale, v.z * p.scale, v.w * p.scale};  // bwd_kernel's dS leaves it out
     const int acc_row = warp * 16 + lane / 4, acc_col = c * 8 + (lane % 4) * 2;
     if constexpr (Tiles::kTransposed) {
       // Elements (acc_row, acc_col), (acc_row, acc_col + 1), then the same 8 rows down.
