@@ -267,4 +267,12 @@ JAX_FLASH_DEFINE_WGMMA_N(88, "176", "%88, %89", "%90", "%91, %92", "{%88, %89, %
 #undef JAX_FLASH_WGMMA_REGS64
 #undef JAX_FLASH_WGMMA_REGS88
 
+// --- packed arithmetic (sm_90: bf16x2 multiplies) ---
+// Two bf16 products at once (round to nearest): a packed pair times a packed pair.
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 }  // namespace jax_flash::ptx

@@ -31,6 +31,7 @@
 #include <cuda.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "common/bwd_walk.cuh"
 #include "common/logits.cuh"
@@ -375,10 +376,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int i = 8 * kk + 2 * j;  // elements i, i + 1: one row, two adjacent queries
-        const float2 prob = ptx::unpack2<T>(pa[kk][j]);
         float2 ds = {dpt[i], dpt[i + 1]};
         if constexpr (!kSoftcap) ds = {ds.x - delta[i / 4].x, ds.y - delta[i / 4].y};
-        dsa[kk][j] = ptx::pack2<T>(prob.x * ds.x, prob.y * ds.y);
+        if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+          // The product of the packed pairs: three instructions a pair fewer (no unpacking of P,
+          // one multiply instead of two); the difference is rounded to bf16 first, one rounding more.
+          // Not for fp16, whose range the difference could leave where the product does not.
+          dsa[kk][j] = ptx::mul_bf16x2(pa[kk][j], ptx::pack2<T>(ds.x, ds.y));
+        } else {
+          const float2 prob = ptx::unpack2<T>(pa[kk][j]);
+          dsa[kk][j] = ptx::pack2<T>(prob.x * ds.x, prob.y * ds.y);
+        }
       }
       if constexpr (Cfg::kDqTransposed) {
         ptx::stmatrix_x4_trans(ds_lane_addr + kk * 2048, dsa[kk][0], dsa[kk][1], dsa[kk][2], dsa[kk][3]);
