@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 
+import jax_flash
 from jax_flash import bench, bench_masks
 
 
@@ -29,3 +30,29 @@ def test_masks_benchmark(capsys):
     assert rows[0]["fwd_rounds"] == [1.0] * bench.ROUNDS and min(rows[1]["fwd_rounds"]) > 0
     out = capsys.readouterr().out
     assert "| 8 packed documents (causal) |" in out and "| softcap 30 (causal) |" in out and "| bias [1, 1, T, S] (causal) |" in out and "fwd / causal" in out
+
+
+def test_gpu_loops_start_after_a_rest(monkeypatch):
+    """On a GPU every timed loop starts after REST_SECONDS idle (the power cap made a loop's time
+    depend on the loop before it); the untimed warm-up and calibration loops do not rest."""
+    events = []
+    monkeypatch.setattr(bench.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(bench.time, "sleep", lambda s: events.append(("rest", s)))
+    real_loop = bench._loop_seconds
+
+    def recorded_loop(fn, args, calls=10):
+        events.append(("loop", calls))
+        return real_loop(fn, args, calls)
+
+    monkeypatch.setattr(bench, "_loop_seconds", recorded_loop)
+
+    def attn(q, k, v, causal):
+        return jax_flash.attention(q, k, v, is_causal=causal, implementation="xla")
+
+    shape = bench.Shape(head_dim=32, seqlen=64, causal=True, batch=1, heads=2)
+    samples = bench.measure({"a": attn, "b": attn}, shape, jnp.float32, rounds=2)
+    assert all(len(per_round) == 2 for per_round in samples.values())
+    timed = [i for i, e in enumerate(events) if e[0] == "loop" and i > 0 and events[i - 1][0] == "rest"]
+    assert len(timed) == 2 * 2 * 2  # rounds x implementations x (forward, forward + backward)
+    assert all(events[i - 1] == ("rest", bench.REST_SECONDS) for i in timed)
+    assert sum(e[0] == "rest" for e in events) == len(timed)
