@@ -12,11 +12,10 @@ forward. Each time is the median of 6 rounds, one wall-clock loop of every imple
 round (10 to 200 calls, about 25 ms), after a warm-up. The rounds interleave the implementations,
 ours and the reference back to back, the order reversed every other round, so that a drift of the
 clocks during a run, or an advantage of going first, moves both alike. On a GPU each timed loop
-starts after a 0.1 s rest: the H100 runs at its 700 W power cap under these kernels, and without a
-rest a loop ran 3-20% slower or faster depending on which implementation's loop came just before. Backward = (forward +
-backward) - forward, per round. The ratio to the reference column is the median of the 6 rounds'
-ratios, with their range: a difference inside that range is noise. On a CPU the grid shrinks
-and the xla paths are compared.
+starts after a 0.1 s rest (REST_SECONDS says why). Backward = (forward + backward) - forward, per
+round. The ratio to the reference column is the median of the 6 rounds' ratios, with their range:
+a difference inside that range is noise. On a CPU the grid shrinks and the xla paths are
+compared.
 """
 
 from __future__ import annotations

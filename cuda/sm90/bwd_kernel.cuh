@@ -10,8 +10,8 @@
 //   P^T  = exp2(S^T * scale * log2 e - lse_log2),  dS^T = P^T (dP^T - delta)
 //   dV  += P^T dO   and  dK  += dS^T Q      (P^T, dS^T from registers)
 //   dQ   = dS K, or dQ^T = K^T dS^T         (dS^T or dS through shared memory)
-// The logits' scale is left out of dS^T (an FMUL a delta and an FFMA a dS element fewer a step):
-// dK takes it in the epilogue, dQ in its conversion (dq_from_tiles).
+// The logits' scale is left out of dS^T (so the deltas need no scaling each step): dK takes it in
+// the epilogue, dQ in its conversion (dq_from_tiles).
 // Computing S and dP transposed (keys as rows) puts P^T and dS^T in registers in the layout of a
 // wgmma A operand, so dV and dK need no trip through shared memory; only dQ, whose rows are
 // queries, reads dS from there. dQ needs every key block's share: each consumer writes its fp32
