@@ -312,7 +312,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // P^T, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
     ptx::wgmma_wait<kSoftcap ? 0 : 1>();
     ptx::fence_registers(st);
-    float2 delta[kBlockM / 8];
     if constexpr (kSoftcap) {
       // S^T becomes the tanh values (logits.cuh). This variant waits for dP^T as well, so that
       // the tanh slopes go straight into it: dpt = (dP^T - delta) * slope. Kept apart until
@@ -356,6 +355,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // delta, read before dV is issued (so ahead of its operand reads), except with a cap (folded
     // into dpt above). Read where dS^T needed them, at 80-query steps the FMULs that then scaled
     // them were 6% of the stall samples.
+    float2 delta[kBlockM / 8];  // unused with a cap
     if constexpr (!kSoftcap) load_stats(sDelta(stage), delta);
 
     // dV += P^T dO.
