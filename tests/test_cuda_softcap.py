@@ -2,17 +2,15 @@
 forward and gradients, alone and with every mask the kernels take, in both kernel families,
 against the float64 reference and the xla path (`test_cuda.check`)."""
 
-import time
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jax_flash
 from tests.cases import qkv, rng_for
 from tests.test_cuda import _custom_call_targets, check
 from tests.test_cuda_masks import _lengths, _packed
+from tests.timing import rested_seconds
 
 pytestmark = pytest.mark.gpu
 
@@ -62,13 +60,7 @@ def test_softcap_costs_little():
         step = jax.jit(jax.value_and_grad(
             lambda q, k, v: jax_flash.attention(q, k, v, implementation="cuda", is_causal=True, **kw)
             .astype(jnp.float32).sum(), argnums=(0, 1, 2)))
-        jax.block_until_ready(step(q, k, v))
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            jax.block_until_ready(step(q, k, v))
-            times.append(time.perf_counter() - start)
-        return float(np.median(times))
+        return rested_seconds(step, (q, k, v))
 
     capped, plain = timed(softcap=30.0), timed()
     assert capped < 1.3 * plain, f"softcap {capped * 1e3:.1f} ms against {plain * 1e3:.1f} ms"

@@ -1,0 +1,26 @@
+"""Kernel timings for the GPU tests that bound a cost ratio (packed documents, soft cap).
+
+The H100 runs these kernels at its power cap, so a loop's clocks depend on what ran just before
+it; `jax_flash.bench` rests the GPU before each timed loop for that reason, and so does this.
+"""
+
+import time
+
+import jax
+
+from jax_flash import bench
+
+
+def rested_seconds(step, args, calls: int = 10, rounds: int = 3) -> float:
+    """Seconds of one call of `step(*args)`: the best of `rounds` loops of `calls` calls, each
+    loop after `bench.REST_SECONDS` idle (compiles and warms up first)."""
+    jax.block_until_ready(step(*args))
+    best = float("inf")
+    for _ in range(rounds):
+        time.sleep(bench.REST_SECONDS)
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = step(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
