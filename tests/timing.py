@@ -12,15 +12,11 @@ from jax_flash import bench
 
 
 def rested_seconds(step, args, calls: int = 10, rounds: int = 3) -> float:
-    """Seconds of one call of `step(*args)`: the best of `rounds` loops of `calls` calls, each
-    loop after `bench.REST_SECONDS` idle (compiles and warms up first)."""
+    """Seconds of one call of `step(*args)`: the best of `rounds` loops of `calls` calls (the
+    benchmark's loop), each after `bench.REST_SECONDS` idle (compiles and warms up first)."""
     jax.block_until_ready(step(*args))
     best = float("inf")
     for _ in range(rounds):
         time.sleep(bench.REST_SECONDS)
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = step(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / calls)
+        best = min(best, bench._loop_seconds(step, args, calls))
     return best
