@@ -101,6 +101,13 @@ def _loop_seconds(fn, args, calls: int = 10) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def rested_loop_seconds(fn, args, calls: int = 10) -> float:
+    """_loop_seconds, after REST_SECONDS idle on a GPU."""
+    if jax.default_backend() == "gpu":
+        time.sleep(REST_SECONDS)
+    return _loop_seconds(fn, args, calls)
+
+
 def _median_loop_seconds(fn, args, loops: int = ROUNDS, calls: int = 10) -> float:
     jax.block_until_ready(fn(*args))  # compile and warm up
     return statistics.median(_loop_seconds(fn, args, calls) for _ in range(loops))
@@ -155,12 +162,6 @@ def measure(impls: dict[str, Callable], shape: Shape, dtype, rounds: int = ROUND
         fwd_bwd = _warmed(fwd_bwd, fwd_bwd_args) if fwd else None
         loops[name] = (fwd, fwd and _calls_per_loop(fwd, fwd_args),
                        fwd_bwd, fwd_bwd and _calls_per_loop(fwd_bwd, fwd_bwd_args))
-    rest = REST_SECONDS if jax.default_backend() == "gpu" else 0.0
-
-    def rested_loop_seconds(fn, args, calls):
-        time.sleep(rest)
-        return _loop_seconds(fn, args, calls)
-
     samples = {name: [] for name in impls}
     for round_ in range(rounds):
         order = list(impls) if round_ % 2 == 0 else list(impls)[::-1]
