@@ -21,6 +21,32 @@ struct BwdTensorMaps {
   CUtensorMap q, dout, k, v, dk, dv;
 };
 
+// The key block and (batch, kv head) of a backward CTA. The hardware starts CTAs in launch order
+// (blockIdx.x fastest). In the grid's order, (key block, batch * kv_heads), the last CTAs to start
+// include the last heads' longest walks (key block 0 of a causal head), which then run on with
+// most SMs idle. With kLongestFirst, groups of about 256 CTAs (whole heads, which share their Q
+// and dO in L2) start key block by key block: every head's block 0, then every head's block 1,
+// and so on, so that the grid ends on the shortest walks (FlashAttention-3 orders its causal
+// backward longest first too). Deterministic mode's turns, which pass from each key block of a
+// head to the next, still find the earlier blocks started.
+struct BwdCta {
+  int n_block, batch_head;
+  template <bool kLongestFirst>
+  __device__ static BwdCta of() {
+    if constexpr (!kLongestFirst) {
+      return {int(blockIdx.x), int(blockIdx.y)};
+    } else {
+      const int blocks = gridDim.x, heads = gridDim.y;
+      const int linear = blockIdx.y * blocks + blockIdx.x;
+      const int group_heads = max(1, 256 / blocks);
+      const int first_head = linear / (group_heads * blocks) * group_heads;
+      const int heads_here = min(group_heads, heads - first_head);
+      const int i = linear - first_head * blocks;
+      return {i / heads_here, first_head + i % heads_here};
+    }
+  }
+};
+
 // 8-byte mbarriers from `first`: K and V loaded, then per stage Q (+ lse) and dO (+ delta)
 // loaded ("full", one arrival and the bytes) and released by every consumer thread ("empty").
 template <int kStages>
