@@ -108,7 +108,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr float kLog2e = 1.4426950408889634f;
   static_assert(kVariant != Variant::kBias, "bias and mask run the sm80 kernels");
   constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
-  // Key blocks with the longest walks start first (BwdCta): 4-9% on causal rows, level elsewhere.
+  // Key blocks with the longest walks start first (BwdCta): 3-4% on causal rows of 4k-8k tokens
+  // (9% with a soft cap), level elsewhere (docs/PERF.md, B19).
   // Not where the remap's registers spill: at 80-query steps (which run no band, so that every
   // order does as well) and in the capped H = 64 kernel.
   constexpr bool kLongestFirst = kBlockM != 80 && !(kSoftcap && kHeadDim == 64);
