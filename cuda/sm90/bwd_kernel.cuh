@@ -150,9 +150,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
   __syncthreads();
 
-  const BwdCta cta = BwdCta::of<kLongestFirst>();
-  const int n_block = cta.n_block;
-  const int batch = cta.batch_head / p.kv_heads, kv_head = cta.batch_head % p.kv_heads;
+  const auto [n_block, batch, kv_head] = BwdCta::of<kLongestFirst>(p.kv_heads);
   const int group = p.heads / p.kv_heads;
   const int k_first = n_block * kBlockN;
   const Band band = Band::from<kMasked>(p, batch);
@@ -475,9 +473,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   ptx::named_barrier_sync(1 + consumer, 128);
   if (tid == 0) {
     // The coordinates derived again: kept from the top, they held registers across the loop.
-    const BwdCta cta_again = BwdCta::of<kLongestFirst>();
-    const int batch = cta_again.batch_head / p.kv_heads, kv_head = cta_again.batch_head % p.kv_heads;
-    const int key0 = cta_again.n_block * kBlockN + consumer * 64;
+    const BwdCta cta = BwdCta::of<kLongestFirst>(p.kv_heads);
+    const int batch = cta.batch, kv_head = cta.kv_head, key0 = cta.n_block * kBlockN + consumer * 64;
     for (int panel = 0; panel < Cfg::kPanels; ++panel) {
       const uint32_t off = panel * kBlockN * 128 + consumer * 64 * 128;
       ptx::tma_store_4d(&maps.dk, sK + off, panel * 64, kv_head, key0, batch);

@@ -30,20 +30,20 @@ struct BwdTensorMaps {
 // backward longest first too). Deterministic mode's turns, which pass from each key block of a
 // head to the next, still find the earlier blocks started.
 struct BwdCta {
-  int n_block, batch_head;
+  int n_block, batch, kv_head;
   template <bool kLongestFirst>
-  __device__ static BwdCta of() {
-    if constexpr (!kLongestFirst) {
-      return {int(blockIdx.x), int(blockIdx.y)};
-    } else {
+  __device__ static BwdCta of(int kv_heads) {
+    int n_block = blockIdx.x, batch_head = blockIdx.y;
+    if constexpr (kLongestFirst) {
       const int blocks = gridDim.x, heads = gridDim.y;
       const int linear = blockIdx.y * blocks + blockIdx.x;
       const int group_heads = max(1, 256 / blocks);
       const int first_head = linear / (group_heads * blocks) * group_heads;
       const int heads_here = min(group_heads, heads - first_head);
       const int i = linear - first_head * blocks;
-      return {i / heads_here, first_head + i % heads_here};
+      n_block = i / heads_here, batch_head = first_head + i % heads_here;
     }
+    return {n_block, batch_head / kv_heads, batch_head % kv_heads};
   }
 };
 

@@ -87,9 +87,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   };
   const BwdBarriers<kStages> barriers{base_addr + Cfg::kBarriers};
 
-  const BwdCta cta = BwdCta::of<true>();  // longest walks first: +2% at causal 2k-4k
-  const int n_block = cta.n_block;
-  const int batch = cta.batch_head / p.kv_heads, kv_head = cta.batch_head % p.kv_heads;
+  // Longest walks first: +2% at causal 2k-4k.
+  const auto [n_block, batch, kv_head] = BwdCta::of<true>(p.kv_heads);
   const int group = p.heads / p.kv_heads;
   const int k_first = n_block * kBlockN;
   const Band band = Band::from<kMasked>(p, batch);
