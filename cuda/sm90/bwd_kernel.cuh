@@ -113,6 +113,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Not where the remap's registers spill: at 80-query steps (which run no band, so that every
   // order does as well) and in the capped H = 64 kernel.
   constexpr bool kLongestFirst = kBlockM != 80 && !(kSoftcap && kHeadDim == 64);
+  // dV is issued once dS^T is in shared memory (FlashAttention-3's order), so that dS^T follows
+  // dP^T's landing at once, and the thread index is read ahead of where it is needed (below): 1-3%
+  // faster without a cap (docs/PERF.md, B20). With a cap (whose step waits for dP^T before the
+  // softmax), the two together were 2.5-4% slower, so the capped kernels keep the order before.
+  constexpr bool kDvAfterDs = !kSoftcap, kThreadIndexAhead = !kSoftcap;
 
   extern __shared__ char smem[];
   const uint32_t align = (1024 - (ptx::smem_addr(smem) & 1023)) & 1023;
@@ -205,11 +210,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const BwdWalk walk = make_walk();
   const int consumer = warp_group - 1;
   // The same, broadcast from lane 0 so that the compiler knows it is uniform across the warp: the
-  // wgmma descriptors built from it then stay in uniform registers (docs/PERF.md, B8). Only the
-  // descriptors take it: used in place of `consumer` everywhere, it made the H = 64 kernel spill.
+  // wgmma descriptors built from it then stay in uniform registers (docs/PERF.md, B8), and key0
+  // needs no S2R of the thread index each step (its wait was 1% of the stall samples).
   const int consumer_uniform = __shfl_sync(0xffffffff, consumer, 0);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const int key0 = k_first + consumer * 64;
+  const int key0 = k_first + (kThreadIndexAhead ? consumer_uniform : consumer) * 64;
   // Accumulator element i of an m64nN tile of keys: row warp * 16 + accum_row(i), column
   // accum_col(i). (dQ's tile leaves in register order, sm90/dq_tiles.cuh.)
   auto accum_row = [&](int i) { return ((i % 4) / 2) * 8 + lane / 4; };
@@ -220,17 +225,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   uint32_t stats_offset = accum_col(0) * 4;
   if constexpr (!kSoftcap) asm volatile("" : "+r"(stats_offset));
   // Where this thread's lane addresses dS's 8 x 8 tiles for stmatrix (see the dS^T loop), in the
-  // buffer: kept in registers like stats_offset, except at 80-query steps (where they spilled) and
-  // with a cap: rebuilt each step from the thread index, its S2R holds up dS's first store (2% of
-  // the stall samples at 80 queries).
+  // buffer: kept in registers like stats_offset, except at 80-query steps, where they spilled: there
+  // they are rebuilt each step from the thread index, read when S^T lands so that the S2R's latency
+  // passes under the softmax (read where the offsets were needed, its wait was 3% of the samples).
   uint32_t ds_lane_offset, ds_chunk_bits = 0;
-  {
-    const int m = lane / 8, r = lane % 8;
+  auto ds_offsets = [&](int warp_index, int lane_index) {
+    const int warp = warp_index, m = lane_index / 8, r = lane_index % 8;
     if constexpr (Cfg::kDqTransposed) {
       // dS (row = query, 16-byte chunk = 8 keys: this consumer's keys are its own 64-key panel),
       // the tiles transposed: row r of tile m is query kk * 16 + (m / 2) * 8 + r, whose row in
       // its group of 8 is r, so the swizzle is the same at every kk.
-      ds_lane_offset = consumer * Cfg::kDsPanelBytes + ((m / 2) * 8 + r) * 128 + (((warp * 2 + m % 2) ^ r) * 16);
+      const int panel = kThreadIndexAhead ? consumer_uniform : consumer;
+      ds_lane_offset = panel * Cfg::kDsPanelBytes + ((m / 2) * 8 + r) * 128 + (((warp * 2 + m % 2) ^ r) * 16);
     } else {
       // dS^T (row = key of the CTA's 128, 16-byte chunk = 8 queries). ptx::sw128_offset(row,
       // 2 kk + m / 2) with the swizzle hoisted out of the loop: (2 kk + m / 2) ^ (row % 8) =
@@ -239,7 +245,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ds_lane_offset = (consumer * 64 + warp * 16 + (m % 2) * 8 + r) * 128;
       ds_chunk_bits = ((m / 2) ^ r) * 16;
     }
-  }
+  };
+  ds_offsets(warp, lane);
   if constexpr (!kSoftcap && !Cfg::kDqTransposed) asm volatile("" : "+r"(ds_lane_offset), "+r"(ds_chunk_bits));
   const auto logits = Logits<cap_of(kVariant)>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
@@ -316,6 +323,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // P^T, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
     ptx::wgmma_wait<kSoftcap ? 0 : 1>();
     ptx::fence_registers(st);
+    const uint32_t tid_early = kThreadIndexAhead && Cfg::kDqTransposed ? ptx::thread_index() % 128 : 0;
     if constexpr (kSoftcap) {
       // S^T becomes the tanh values (logits.cuh). This variant waits for dP^T as well, so that
       // the tanh slopes go straight into it: dpt = (dP^T - delta) * slope. Kept apart until
@@ -362,14 +370,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     float2 delta[kBlockM / 8];  // unused with a cap
     if constexpr (!kSoftcap) load_stats(sDelta(stage), delta);
 
-    // dV += P^T dO.
-    ptx::wgmma_fence();
-    issue_over_queries(dv, pa, sDo(stage));
+    // dV += P^T dO, here or after dS^T (kDvAfterDs).
+    auto issue_dv = [&] {
+      ptx::wgmma_fence();
+      issue_over_queries(dv, pa, sDo(stage));
+    };
+    if constexpr (!kDvAfterDs) issue_dv();
 
     // dS^T = P^T (dP^T - delta) (with a cap, dpt holds (dP^T - delta) * slope already), from
     // the 16-bit P (the precision dV used).
-    ptx::wgmma_wait<1>();
+    ptx::wgmma_wait<kDvAfterDs ? 0 : 1>();
     ptx::fence_registers(dpt);
+    if constexpr (kThreadIndexAhead && Cfg::kDqTransposed) ds_offsets(tid_early / 32, tid_early % 32);
     uint32_t dsa[kBlockM / 16][4];
     // dsa[kk][m] is the 8 x 8 tile of keys (m % 2) * 8 of this warp's 16 and queries
     // (2 kk + m / 2) * 8: to shared memory for dQ by stmatrix, lane 8 m + r giving the address of
@@ -399,6 +411,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                          dsa[kk][0], dsa[kk][1], dsa[kk][2], dsa[kk][3]);
       }
     }
+
+    if constexpr (kDvAfterDs) issue_dv();
 
     // This consumer's dQ part over all the CTA's keys.
     ptx::fence_proxy_async_shared();  // the dS stores, before wgmma reads them
@@ -430,6 +444,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
     // dK += dS^T Q.
     issue_over_queries(dk, dsa, sQ(stage));
+    // The thread index for the dQ stores, read again each step rather than kept from the top of the
+    // kernel (kept, it held a register across the step and ptxas spilled 16 bytes at H = 64), and
+    // read before the wait, so that its S2R's latency passes under it (read after the wait, its
+    // own wait was 1% of the stall samples).
+    int t = kThreadIndexAhead ? ptx::thread_index() % 128 : 0;
     // In flight: dV, dQ, dK. dQ goes out while dK runs.
     ptx::wgmma_wait<1>();
     ptx::fence_registers(dv);
@@ -440,9 +459,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // dQ thread to add.
     const int dq_buffer = s % Cfg::kDqBuffers, dq_use = s / Cfg::kDqBuffers;
     if (dq_use > 0) ptx::mbarrier_wait(dq_empty(consumer, dq_buffer), (dq_use - 1) & 1);
-    // The thread index read again here rather than kept from the top of the kernel: kept, it held
-    // a register across the step and ptxas spilled 16 bytes at H = 64 (12 this way).
-    const int t = ptx::thread_index() % 128;
+    if constexpr (!kThreadIndexAhead) t = ptx::thread_index() % 128;
     const uint32_t sDq_part = sDq(consumer_uniform, dq_buffer);
 #pragma unroll
     for (int c = 0; c < Cfg::Dq::kChunks; ++c) {
