@@ -118,6 +118,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // faster without a cap (docs/PERF.md, B20). With a cap (whose step waits for dP^T before the
   // softmax), the two together were 2.5-4% slower, so the capped kernels keep the order before.
   constexpr bool kDvAfterDs = !kSoftcap, kThreadIndexAhead = !kSoftcap;
+  // At H = 64 (128-query steps) dV goes out after dQ, not before: dQ's part then reaches shared
+  // memory while dV and dK run, 2-3% faster (B21). At H = 128 it was 1-2% slower, and at 80-query
+  // steps P^T, live until dV lands, spilled. (Measured in the plain kernels only.)
+  constexpr bool kDqFirst = kHeadDim == 64 && kVariant == Variant::kPlain;
 
   extern __shared__ char smem[];
   const uint32_t align = (1024 - (ptx::smem_addr(smem) & 1023)) & 1023;
@@ -412,7 +416,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
     }
 
-    if constexpr (kDvAfterDs) issue_dv();
+    if constexpr (kDvAfterDs && !kDqFirst) issue_dv();
 
     // This consumer's dQ part over all the CTA's keys.
     ptx::fence_proxy_async_shared();  // the dS stores, before wgmma reads them
@@ -441,6 +445,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
     }
     ptx::wgmma_commit();
+    if constexpr (kDqFirst) issue_dv();
 
     // dK += dS^T Q.
     issue_over_queries(dk, dsa, sQ(stage));
@@ -449,10 +454,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // read before the wait, so that its S2R's latency passes under it (read after the wait, its
     // own wait was 1% of the stall samples).
     int t = kThreadIndexAhead ? ptx::thread_index() % 128 : 0;
-    // In flight: dV, dQ, dK. dQ goes out while dK runs.
-    ptx::wgmma_wait<1>();
-    ptx::fence_registers(dv);
-    ptx::fence_registers(pa);
+    // dQ goes out while dK (and with kDqFirst dV) runs.
+    if constexpr (kDqFirst) {
+      ptx::wgmma_wait<2>();  // in flight: dQ, dV, dK
+    } else {
+      ptx::wgmma_wait<1>();  // in flight: dV, dQ, dK
+      ptx::fence_registers(dv);
+      ptx::fence_registers(pa);
+    }
     ptx::fence_registers(dq);
 
     // dQ to shared memory in the accumulator's tile order (sm90/dq_tiles.cuh), for the producer's
@@ -472,6 +481,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::wgmma_wait<0>();
     ptx::fence_registers(dk);
     ptx::fence_registers(dsa);
+    if constexpr (kDqFirst) {
+      ptx::fence_registers(dv);
+      ptx::fence_registers(pa);
+    }
     ptx::mbarrier_arrive(barriers.q_empty(stage));
     ptx::mbarrier_arrive(barriers.do_empty(stage));
   }
