@@ -122,6 +122,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // memory while dV and dK run, 2-3% faster (B21). At H = 128 it was 1-2% slower, and at 80-query
   // steps P^T, live until dV lands, spilled. (Measured in the plain kernels only.)
   constexpr bool kDqFirst = kHeadDim == 64 && kVariant == Variant::kPlain;
+  static_assert(kDvAfterDs || !kDqFirst, "dV is issued at one place of the step");
 
   extern __shared__ char smem[];
   const uint32_t align = (1024 - (ptx::smem_addr(smem) & 1023)) & 1023;
