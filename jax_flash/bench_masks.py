@@ -7,6 +7,10 @@ documents 1/8, half-length padded keys about 1/4. The soft cap adds a tanh per l
 causal case, a [T, S] bias or boolean mask (shared by the heads) a load per logit: their
 fractions are their costs.
 
+On a GPU the peers that take a window (cuDNN through `jax.nn.dot_product_attention` and, when it
+imports, FlashAttention-3's JAX binding) run the causal and window cases too, each as a fraction
+of its own causal time: what the same window costs where it is not our kernels.
+
 The cases are timed as the main benchmark times implementations (bench.measure): every case
 once a round, the order reversed every other round, and a fraction is the median of the rounds'
 fractions. Timed one case after the other, causal (first) ran on a cool GPU at its highest clocks
@@ -16,6 +20,7 @@ and every later case on a warm one, which overstated the fractions by up to 15%.
 from __future__ import annotations
 
 import statistics
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,25 +44,51 @@ def cases(seqlen: int, dtype) -> dict[str, dict]:
     }
 
 
+# The cases the peers run (they take no segment ids, cap or bias here).
+PEER_CASES = ("causal", "window 512 (causal)")
+
+
+def peer_attentions(on_gpu: bool) -> dict[str, Callable]:
+    """name -> attention(q, k, v, is_causal=..., local_window_size=...) of each peer that runs here."""
+    if not on_gpu:
+        return {}
+    peers = {"cudnn": lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw)}
+    try:
+        from flash_attn3_jax import flash_mha  # optional peer, never a dependency
+
+        peers["fa3_jax"] = lambda q, k, v, is_causal, local_window_size=(-1, -1): flash_mha(
+            q, k, v, is_causal=is_causal, window_size=local_window_size)
+    except ImportError:
+        pass
+    return peers
+
+
 def run() -> list[dict]:
     """One row per case: median forward and forward + backward seconds, and the rounds' fractions
-    of causal (`fwd_rounds`, `fwd_bwd_rounds`)."""
+    of causal (`fwd_rounds`, `fwd_bwd_rounds`); a peer's rows ("peer: case") are fractions of the
+    peer's own causal row."""
     on_gpu = jax.default_backend() == "gpu"
     seqlen, heads, dtype = (16384, 16, jnp.bfloat16) if on_gpu else (1024, 2, jnp.float32)
     shape = Shape(head_dim=128, seqlen=seqlen, causal=True, batch=1, heads=heads)
-    attns = {name: (lambda q, k, v, causal, kw=kw: jax_flash.attention(q, k, v, **kw))
-             for name, kw in cases(seqlen, dtype).items()}
+    ours = cases(seqlen, dtype)
+    attns = {name: (lambda q, k, v, causal, kw=kw: jax_flash.attention(q, k, v, **kw)) for name, kw in ours.items()}
+    causal_of = dict.fromkeys(ours, "causal")  # case -> the case its fractions divide by
+    for peer, attn in peer_attentions(on_gpu).items():
+        for name in PEER_CASES:
+            attns[f"{peer}: {name}"] = lambda q, k, v, causal, kw=ours[name], attn=attn: attn(q, k, v, **kw)
+            causal_of[f"{peer}: {name}"] = f"{peer}: causal"
     samples = measure(attns, shape, dtype)  # name -> [(fwd, bwd) seconds per round]
     fwd = {name: [f for f, _ in rounds] for name, rounds in samples.items()}
     fwd_bwd = {name: [None if b is None else f + b for f, b in rounds] for name, rounds in samples.items()}
     rows = []
     for name in attns:
-        if None in fwd[name] or None in fwd_bwd[name]:
+        base = causal_of[name]
+        if None in fwd[name] + fwd_bwd[name] + fwd[base] + fwd_bwd[base]:
             continue  # failed on these inputs (bench.measure): a gap, as in the main table
         rows.append({"case": name, "seqlen": seqlen,
                      "fwd": statistics.median(fwd[name]), "fwd_bwd": statistics.median(fwd_bwd[name]),
-                     "fwd_rounds": [a / b for a, b in zip(fwd[name], fwd["causal"])],
-                     "fwd_bwd_rounds": [a / b for a, b in zip(fwd_bwd[name], fwd_bwd["causal"])]})
+                     "fwd_rounds": [a / b for a, b in zip(fwd[name], fwd[base])],
+                     "fwd_bwd_rounds": [a / b for a, b in zip(fwd_bwd[name], fwd_bwd[base])]})
     return rows
 
 

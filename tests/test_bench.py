@@ -1,5 +1,6 @@
 """The benchmark runs end to end (on a CPU it compares the xla paths) and writes its plot."""
 
+import jax
 import jax.numpy as jnp
 
 import jax_flash
@@ -30,6 +31,20 @@ def test_masks_benchmark(capsys):
     assert rows[0]["fwd_rounds"] == [1.0] * bench.ROUNDS and min(rows[1]["fwd_rounds"]) > 0
     out = capsys.readouterr().out
     assert "| 8 packed documents (causal) |" in out and "| softcap 30 (causal) |" in out and "| bias [1, 1, T, S] (causal) |" in out and "fwd / causal" in out
+
+
+def test_masks_benchmark_peer_rows_are_fractions_of_the_peers_causal(monkeypatch):
+    """A peer (on a GPU cuDNN and FlashAttention-3; here XLA's attention stands in) runs the causal
+    and window cases, each divided by the peer's own causal time, not by ours."""
+    peer = lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)  # noqa: E731
+    monkeypatch.setattr(bench_masks, "peer_attentions", lambda on_gpu: {"stand-in": peer})
+    rows = {r["case"]: r for r in bench_masks.run()}
+    assert set(rows) == set(bench_masks.cases(64, jnp.float32)) | {f"stand-in: {c}" for c in bench_masks.PEER_CASES}
+    assert rows["stand-in: causal"]["fwd_rounds"] == [1.0] * bench.ROUNDS
+    assert rows["stand-in: causal"]["fwd_bwd_rounds"] == [1.0] * bench.ROUNDS
+    window = rows["stand-in: window 512 (causal)"]
+    assert len(window["fwd_rounds"]) == bench.ROUNDS and min(window["fwd_rounds"]) > 0
+    assert "| stand-in: window 512 (causal) |" in bench_masks.table(list(rows.values()))
 
 
 def test_gpu_loops_start_after_a_rest(monkeypatch):
