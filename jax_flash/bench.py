@@ -62,19 +62,29 @@ def grid(on_gpu: bool, quick: bool, head_dims, seqlens=None) -> list[Shape]:
     ]  # fmt: skip
 
 
+def peers(on_gpu: bool) -> dict[str, Callable]:
+    """name -> attention(q, k, v, is_causal, local_window_size=None) of each peer that runs here:
+    on a GPU cuDNN and, when it imports, FlashAttention-3's JAX binding."""
+    if not on_gpu:
+        return {}
+    found = {"cudnn": lambda q, k, v, is_causal, local_window_size=None: jax.nn.dot_product_attention(
+        q, k, v, is_causal=is_causal, local_window_size=local_window_size, implementation="cudnn")}
+    try:
+        from flash_attn3_jax import flash_mha  # optional peer, never a dependency
+
+        found["fa3_jax"] = lambda q, k, v, is_causal, local_window_size=None: flash_mha(
+            q, k, v, is_causal=is_causal, window_size=local_window_size or (-1, -1))
+    except ImportError:
+        pass
+    return found
+
+
 def implementations(on_gpu: bool) -> dict[str, Callable]:
     """name -> attention(q, k, v, causal) for every implementation that runs here."""
     # Ours and the reference column first, next to each other in the timing order (measure).
     impls = {"jax_flash": lambda q, k, v, c: jax_flash.attention(q, k, v, is_causal=c)}
-    if on_gpu:
-        impls["cudnn"] = lambda q, k, v, c: jax.nn.dot_product_attention(
-            q, k, v, is_causal=c, implementation="cudnn")
-        try:
-            from flash_attn3_jax import flash_mha  # optional peer, never a dependency
-
-            impls["fa3_jax"] = lambda q, k, v, c: flash_mha(q, k, v, is_causal=c)
-        except ImportError:
-            pass
+    for name, attn in peers(on_gpu).items():
+        impls[name] = lambda q, k, v, c, attn=attn: attn(q, k, v, is_causal=c)
     impls["xla"] = lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="xla")
     return impls
 

@@ -20,13 +20,12 @@ and every later case on a warm one, which overstated the fractions by up to 15%.
 from __future__ import annotations
 
 import statistics
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash.bench import Shape, measure
+from jax_flash.bench import Shape, measure, peers
 
 
 def cases(seqlen: int, dtype) -> dict[str, dict]:
@@ -48,21 +47,6 @@ def cases(seqlen: int, dtype) -> dict[str, dict]:
 PEER_CASES = ("causal", "window 512 (causal)")
 
 
-def peer_attentions(on_gpu: bool) -> dict[str, Callable]:
-    """name -> attention(q, k, v, is_causal=..., local_window_size=...) of each peer that runs here."""
-    if not on_gpu:
-        return {}
-    peers = {"cudnn": lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw)}
-    try:
-        from flash_attn3_jax import flash_mha  # optional peer, never a dependency
-
-        peers["fa3_jax"] = lambda q, k, v, is_causal, local_window_size=(-1, -1): flash_mha(
-            q, k, v, is_causal=is_causal, window_size=local_window_size)
-    except ImportError:
-        pass
-    return peers
-
-
 def run() -> list[dict]:
     """One row per case: median forward and forward + backward seconds, and the rounds' fractions
     of causal (`fwd_rounds`, `fwd_bwd_rounds`); a peer's rows ("peer: case") are fractions of the
@@ -73,7 +57,7 @@ def run() -> list[dict]:
     ours = cases(seqlen, dtype)
     attns = {name: (lambda q, k, v, causal, kw=kw: jax_flash.attention(q, k, v, **kw)) for name, kw in ours.items()}
     causal_of = dict.fromkeys(ours, "causal")  # case -> the case its fractions divide by
-    for peer, attn in peer_attentions(on_gpu).items():
+    for peer, attn in peers(on_gpu).items():
         for name in PEER_CASES:
             attns[f"{peer}: {name}"] = lambda q, k, v, causal, kw=ours[name], attn=attn: attn(q, k, v, **kw)
             causal_of[f"{peer}: {name}"] = f"{peer}: causal"

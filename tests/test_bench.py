@@ -37,7 +37,7 @@ def test_masks_benchmark_peer_rows_are_fractions_of_the_peers_causal(monkeypatch
     """A peer (on a GPU cuDNN and FlashAttention-3; here XLA's attention stands in) runs the causal
     and window cases, each divided by the peer's own causal time, not by ours."""
     peer = lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)  # noqa: E731
-    monkeypatch.setattr(bench_masks, "peer_attentions", lambda on_gpu: {"stand-in": peer})
+    monkeypatch.setattr(bench_masks, "peers", lambda on_gpu: {"stand-in": peer})
     rows = {r["case"]: r for r in bench_masks.run()}
     assert set(rows) == set(bench_masks.cases(64, jnp.float32)) | {f"stand-in: {c}" for c in bench_masks.PEER_CASES}
     assert rows["stand-in: causal"]["fwd_rounds"] == [1.0] * bench.ROUNDS
