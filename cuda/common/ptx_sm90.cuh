@@ -22,6 +22,10 @@ __device__ __forceinline__ void fence_barrier_init() {
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// `count` arrivals at once (sm_90): one thread standing for its warp group.
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
 // One arrival that also announces `bytes` to be delivered by copies completing on this barrier.
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)

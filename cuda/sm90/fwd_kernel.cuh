@@ -18,7 +18,8 @@
 // under the others' products. Key blocks are visited first to last: a causal tile then starts on
 // a whole block, whose row maxima the speculative softmax keeps for the rest of the row, and its
 // masked diagonal blocks come last (last to first, the diagonal first, was 3.4% slower at d = 128
-// causal 16k). The epilogue stores O from registers (Q's buffer already holds the next tile's Q).
+// causal 16k). The epilogue stores O from registers (Q's buffer already holds the next tile's Q),
+// or stages it in the last key block's K stage for a TMA store (FwdConfig::kStagedStore).
 //
 // Shared-memory tiles are the layout TMA writes with the 128-byte swizzle: 64-column panels of
 // 128-byte rows, which wgmma reads through descriptors (ptx_sm90.cuh).
@@ -56,12 +57,21 @@ struct FwdConfig {
   // K/V stages: three at H = 128 (225 KB, +2-10% over two); H = 256 fits two; at H = 64 four
   // measured no faster non-causal and 13% slower causal at 16k (docs/PERF.md).
   static constexpr int kStages = kHeadDim == 128 && !kWideBlocks ? 3 : 2;
+  // O staged in the last key block's K stage (held until the store has read it) and stored by
+  // TMA, with three stages only: with two, the held stage delayed the next tile's second block
+  // (d = 128 causal 16k and non-causal 4k 2% slower); with three, windows and packed documents
+  // gained 1-3% (docs/PERF.md, H18). Both consumers' rows must fit in one K stage.
+  static constexpr bool kStagedStore = kStages >= 3 && kConsumers * 64 <= kBlockN;
+  // A window's first key block, cut by its left edge, visited last, so that the tile starts on a
+  // whole block (as a causal one does); in the same kernels only (at d = 64 2.5% slower, H18).
+  static constexpr bool kWindowEdgeLast = kStages >= 3;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V tile
-  // Barriers: q_full, q_empty, four per stage; then two slots holding tile indices.
-  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages) + 8;
+  // Barriers: q_full, q_empty, four per stage; then two slots holding tile indices; then
+  // last_s_landed (the staged O store).
+  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages) + 16;
   // + 1024: the dynamic shared memory is aligned up to the 1024 bytes the swizzle repeats over.
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
   // O is computed in chunks of at most 128 columns (one wgmma n128 each; n64 at H = 192).
@@ -76,7 +86,7 @@ struct FwdConfig {
 // The tensor maps view q/k/v as 4-d [batch, row, head, column] (innermost last) with boxes of
 // 64 columns and a whole tile's rows.
 struct FwdTensorMaps {
-  CUtensorMap q, k, v;
+  CUtensorMap q, k, v, o;  // o: boxes of 64 rows (a consumer's)
 };
 
 // The order of the tiles: the query blocks of one (batch, head) consecutive, the last first (the
@@ -98,6 +108,7 @@ struct FwdTile {
 template <typename Cfg, bool kMasked, bool kRedo>
 struct FwdWork {
   int q_first, n_begin, blocks;
+  int rotation = 0;  // 1: block 0 visited last (Cfg::kWindowEdgeLast)
   Band band;
   __device__ static int m_blocks(const FwdParams& p) { return (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM; }
   __device__ static int all_tiles(const FwdParams& p) { return m_blocks(p) * p.batch * p.heads; }
@@ -116,9 +127,19 @@ struct FwdWork {
     const Range keys = w.band.keys_of(w.q_first, min(w.q_first + Cfg::kBlockM, p.seqlen_q) - 1);
     w.n_begin = keys.begin / Cfg::kBlockN;
     w.blocks = max(0, (keys.end + Cfg::kBlockN - 1) / Cfg::kBlockN - w.n_begin);
+    if constexpr (Cfg::kWindowEdgeLast) {
+      const int q_last = min(w.q_first + Cfg::kBlockM, p.seqlen_q) - 1;
+      w.rotation = w.band.left >= 0 && w.blocks > 1 &&
+                   !w.band.all_visible(w.q_first, q_last, w.n_begin * Cfg::kBlockN, (w.n_begin + 1) * Cfg::kBlockN - 1);
+    }
     return w;
   }
-  __device__ __forceinline__ int key_first(int j) const { return (n_begin + j) * Cfg::kBlockN; }
+  // The keys of the j-th block visited.
+  __device__ __forceinline__ int key_first(int j) const {
+    int block = j + rotation;
+    if (block >= blocks) block -= blocks;
+    return (n_begin + block) * Cfg::kBlockN;
+  }
 };
 
 // kVariant (params.h): which of the masks (mask.cuh) and the soft cap (logits.cuh) are read.
@@ -139,6 +160,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   static_assert(kVariant != Variant::kBias, "bias and mask run the sm80 kernels");
   constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
   using Work = FwdWork<Cfg, kMasked, kRedo>;
+  constexpr bool kStagedStore = Cfg::kStagedStore;
 
   extern __shared__ char smem[];
   const uint32_t sQ = (ptx::smem_addr(smem) + 1023) & ~1023u;
@@ -154,7 +176,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // into tile_slot(n) before it arrives on q_full; the consumers read it there during the tile
   // (two slots: the producer writes the next one while they finish this one).
   auto tile_slot = [&](int n) { return bars + 8 * (2 + 4 * kStages) + 4 * (n & 1); };
-  static_assert(8 * (2 + 4 * kStages) + 8 <= Cfg::kBarrierBytes, "barrier space");
+  const uint32_t last_s_landed = bars + 8 * (2 + 4 * kStages) + 8;
+  static_assert(8 * (2 + 4 * kStages) + 16 <= Cfg::kBarrierBytes, "barrier space");
 
   if (threadIdx.x == 0) {
     ptx::mbarrier_init(q_full, 1);
@@ -165,6 +188,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::mbarrier_init(k_empty(s), kConsumerThreads);
       ptx::mbarrier_init(v_empty(s), kConsumerThreads);
     }
+    ptx::mbarrier_init(last_s_landed, kConsumerThreads);
     ptx::fence_barrier_init();
   }
   __syncthreads();
@@ -265,6 +289,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kLastConsumer = Cfg::kConsumers - 1;
 
   bool started = false;  // this consumer has taken a turn
+  // kStagedStore: the K stage holding this consumer's staged O (-1: none), freed once the store
+  // has read it, after the next tile's first S is issued (or before the CTA exits); and the
+  // number of tiles staged so far (last_s_landed's phase).
+  int staged_stage = -1, staged_tiles = 0;
+  auto release_staging = [&] {
+    if (!kStagedStore || staged_stage < 0) return;
+    if (tid == 0) {
+      ptx::tma_store_wait_read();
+      ptx::mbarrier_arrive(k_empty(staged_stage), 128u);
+    }
+    staged_stage = -1;
+  };
+  constexpr int kStoreBarrier = kTurnBarrier + Cfg::kConsumers;  // + consumer: its O staged
   for (int n = 0, it = 0;; ++n) {
     ptx::mbarrier_wait(q_full, n & 1);
     const int tile = int(ptx::ld_shared_b32(tile_slot(n)));
@@ -272,6 +309,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // The last consumer passed its last turn on to consumer 0: take it, so that no arrival is
       // left on a named barrier when the CTA exits.
       if (consumer == 0 && started) wait_turn();
+      release_staging();
+      if (kStagedStore && tid == 0) ptx::tma_store_wait_all();
       break;
     }
     const Work w = Work::of(tile, p);
@@ -304,8 +343,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::wgmma_commit();
     };
     // S_j has landed: its K stage is free, and after the tile's last block so is Q's buffer.
+    // With kStagedStore the last block's K stage stays taken: O is staged there, and each
+    // consumer frees its half once the store has read it (release_staging).
     auto release_k = [&](int j) {
-      ptx::mbarrier_arrive(k_empty(stage_of(j)));
+      if (kStagedStore && j == blocks - 1) {
+        ptx::mbarrier_arrive(last_s_landed);
+      } else {
+        ptx::mbarrier_arrive(k_empty(stage_of(j)));
+      }
       if (j == blocks - 1) ptx::mbarrier_arrive(q_empty);
     };
     // O += P V_j issued. V is MN-major for this product (keys are K, head-dim columns N): 16 keys a
@@ -472,6 +517,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       wait_turn();
       issue_s(s, 0);
       pass_turn();
+      release_staging();
       ptx::wgmma_wait<0>();
       ptx::fence_registers(s);
       release_k(0);
@@ -506,12 +552,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::mbarrier_arrive(v_empty(stage_of(blocks - 1)));
     } else {
       ptx::mbarrier_arrive(q_empty);  // no Q was loaded
+      release_staging();
     }
 
-    // Epilogue: normalise and store O's rows straight from registers (Q's buffer, where a staged
-    // store would go, already takes the next tile's Q).
-    // Rows past the sequence are not stored. The lse goes first: an instruction after the O
-    // stores that reuses their registers waits until they have drained.
+    // Epilogue: normalise O; stage it for a TMA store (kStagedStore), or store its rows straight
+    // from registers (rows past the sequence are not stored). The lse goes first: an instruction
+    // after the O stores that reuses their registers waits until they have drained.
     const FwdTile t = Work::tile_of(int(ptx::ld_shared_b32(tile_slot(n))), p);
     const int rows_valid = min(kBlockM, p.seqlen_q - q_first);
     float inv[2];
@@ -528,28 +574,62 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             empty ? -INFINITY : row_max[r] * logits.unit + logf(sum);
       }
     }
-    // A quad holds 8 consecutive columns of its row as four 4-byte pairs, one a thread: a 4 x 4
-    // transpose across the quad (ptx::quad_transpose) gives each thread the 16 bytes of one n8
-    // tile of four, so a warp's store writes 64 contiguous bytes of each of its 8 rows, with a
-    // quarter of the store instructions (4-byte stores: 14% of a 512-key window's forward).
-    const int64_t row_stride = int64_t(p.heads) * kHeadDim;
-    T* gO = static_cast<T*>(p.o) + (int64_t(t.batch) * p.seqlen_q + q_first) * row_stride + t.head * kHeadDim;
     constexpr int kChunkN8 = Cfg::kOChunkCols / 8;
-    static_assert(kChunkN8 % 4 == 0, "whole groups of four n8 tiles in a chunk");
+    if (kStagedStore && blocks > 0) {
+      // O as T into this consumer's rows of the last block's K stage (64-column panels of
+      // 128-byte rows, swizzled as TMA reads them), by stmatrix: tile m of four is rows
+      // (m % 2) * 8 and n8 tile 2 g + m / 2; then one thread stores them by TMA, which clips rows
+      // past the sequence. Written once every consumer's last S has read that K.
+      const int stage = stage_of(blocks - 1);
+      const uint32_t staging = sK(stage) + consumer_uniform * Cfg::kPanels * 64 * 128;
+      ptx::mbarrier_wait(last_s_landed, staged_tiles & 1);
+      ++staged_tiles;
+      const int m = lane / 8, i = lane % 8;
+      const uint32_t lane_addr = staging + (warp * 16 + (m % 2) * 8 + i) * 128;
+      const uint32_t lane_bits = ((m / 2) ^ i) * 16;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row_in_tile(r);
-      uint4* out = reinterpret_cast<uint4*>(gO + row * row_stride);
+      for (int g = 0; g < kHeadDim / 16; ++g) {
+        uint32_t r[4];
 #pragma unroll
-      for (int group = 0; group < kHeadDim / 32; ++group) {
-        uint32_t pairs[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int c = (4 * group + i) / kChunkN8, n8 = (4 * group + i) % kChunkN8;
-          pairs[i] = ptx::pack2<T>(o[c][4 * n8 + 2 * r] * inv[r], o[c][4 * n8 + 2 * r + 1] * inv[r]);
+        for (int mm = 0; mm < 4; ++mm) {
+          const int n8 = 2 * g + mm / 2, rr = mm % 2, c = n8 / kChunkN8, n8l = n8 % kChunkN8;
+          r[mm] = ptx::pack2<T>(o[c][4 * n8l + 2 * rr] * inv[rr], o[c][4 * n8l + 2 * rr + 1] * inv[rr]);
         }
-        ptx::quad_transpose(pairs, lane % 4);
-        if (row < rows_valid) out[4 * group + lane % 4] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+        ptx::stmatrix_x4(lane_addr + (g / 4) * 64 * 128 + (((2 * g) % 8 * 16) ^ lane_bits), r[0], r[1], r[2], r[3]);
+      }
+      ptx::fence_proxy_async_shared();
+      ptx::named_barrier_sync(kStoreBarrier + consumer_uniform, 128);
+      if (tid == 0) {
+        for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+          ptx::tma_store_4d(&maps.o, staging + panel * 64 * 128, panel * 64, t.head, q_first + consumer_uniform * 64,
+                            t.batch);
+        }
+        ptx::tma_store_commit();
+      }
+      staged_stage = stage;
+    } else {
+      // A quad holds 8 consecutive columns of its row as four 4-byte pairs, one a thread: a 4 x 4
+      // transpose across the quad (ptx::quad_transpose) gives each thread the 16 bytes of one n8
+      // tile of four, so a warp's store writes 64 contiguous bytes of each of its 8 rows, with a
+      // quarter of the store instructions (4-byte stores: 14% of a 512-key window's forward).
+      const int64_t row_stride = int64_t(p.heads) * kHeadDim;
+      T* gO = static_cast<T*>(p.o) + (int64_t(t.batch) * p.seqlen_q + q_first) * row_stride + t.head * kHeadDim;
+      static_assert(kChunkN8 % 4 == 0, "whole groups of four n8 tiles in a chunk");
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row_in_tile(r);
+        uint4* out = reinterpret_cast<uint4*>(gO + row * row_stride);
+#pragma unroll
+        for (int group = 0; group < kHeadDim / 32; ++group) {
+          uint32_t pairs[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int c = (4 * group + i) / kChunkN8, n8 = (4 * group + i) % kChunkN8;
+            pairs[i] = ptx::pack2<T>(o[c][4 * n8 + 2 * r] * inv[r], o[c][4 * n8 + 2 * r + 1] * inv[r]);
+          }
+          ptx::quad_transpose(pairs, lane % 4);
+          if (row < rows_valid) out[4 * group + lane % 4] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+        }
       }
     }
     it += blocks;
