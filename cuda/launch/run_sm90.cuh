@@ -30,9 +30,14 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
            make_tensor_map_bthd(&maps.q, p.q, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
            make_tensor_map_bthd(&maps.k, p.k, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
            make_tensor_map_bthd(&maps.v, p.v, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
-           make_tensor_map_bthd(&maps.o, p.o, p.batch, p.seqlen_q, p.heads, kHeadDim, 64),
        }) {
     if (e != cudaSuccess) return e;
+  }
+  if constexpr (Cfg::kStagedStore) {
+    if (cudaError_t e = make_tensor_map_bthd(&maps.o, p.o, p.batch, p.seqlen_q, p.heads, kHeadDim, 64);
+        e != cudaSuccess) {
+      return e;
+    }
   }
   auto kernel = sm90::fwd_kernel<Cfg, kVariant, false>;
   auto redo_kernel = sm90::fwd_kernel<Cfg, kVariant, true>;

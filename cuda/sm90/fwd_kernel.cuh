@@ -86,7 +86,7 @@ struct FwdConfig {
 // The tensor maps view q/k/v as 4-d [batch, row, head, column] (innermost last) with boxes of
 // 64 columns and a whole tile's rows.
 struct FwdTensorMaps {
-  CUtensorMap q, k, v, o;  // o: boxes of 64 rows (a consumer's)
+  CUtensorMap q, k, v, o;  // o (boxes of a consumer's 64 rows): made only where O is staged
 };
 
 // The order of the tiles: the query blocks of one (batch, head) consecutive, the last first (the
