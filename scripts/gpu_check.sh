@@ -36,9 +36,11 @@ if [[ $step == build || $step == all ]]; then
   JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_ARCHS=${JAX_FLASH_CUDA_ARCHS:-90a} JAX_FLASH_PTXAS_VERBOSE=1 \
     $PY -m pip install --no-build-isolation --no-deps -v -e . >> "$OUT/build.log" 2>&1 \
     || { tail -50 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
-  grep -E "Compiling entry|registers|spill" "$OUT/build.log" | sed 's/^ *//' > "$OUT/ptxas.txt"
+  grep -E "Compiling entry|registers|spill|C75[0-9][0-9]" "$OUT/build.log" | sed 's/^ *//' > "$OUT/ptxas.txt"
   echo "build: $(( $(date +%s) - start )) s; kernels with spills:"
   grep -B1 -E "[1-9][0-9]* bytes spill stores" "$OUT/ptxas.txt" | grep -o "entry function '[^']*'" | sort -u || true
+  echo "kernels whose wgmma ptxas serialized (C7510-C7519 infos):"
+  grep -E "C751[0-9]\) Potential Performance Loss" "$OUT/ptxas.txt" | grep -o "function '[^']*'" | sort -u || true
 fi
 
 if [[ $step == test || $step == all ]]; then
