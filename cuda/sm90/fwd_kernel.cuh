@@ -124,11 +124,11 @@ struct FwdWork {
     FwdWork w;
     w.q_first = t.m_block * Cfg::kBlockM;
     w.band = Band::from<kMasked>(p, t.batch);
-    const Range keys = w.band.keys_of(w.q_first, min(w.q_first + Cfg::kBlockM, p.seqlen_q) - 1);
+    const int q_last = min(w.q_first + Cfg::kBlockM, p.seqlen_q) - 1;
+    const Range keys = w.band.keys_of(w.q_first, q_last);
     w.n_begin = keys.begin / Cfg::kBlockN;
     w.blocks = max(0, (keys.end + Cfg::kBlockN - 1) / Cfg::kBlockN - w.n_begin);
     if constexpr (Cfg::kWindowEdgeLast) {
-      const int q_last = min(w.q_first + Cfg::kBlockM, p.seqlen_q) - 1;
       w.rotation = w.band.left >= 0 && w.blocks > 1 &&
                    !w.band.all_visible(w.q_first, q_last, w.n_begin * Cfg::kBlockN, (w.n_begin + 1) * Cfg::kBlockN - 1);
     }
