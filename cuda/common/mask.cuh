@@ -32,12 +32,17 @@ struct Band {
   // the constant nullptrs compile the segment code out.
   template <bool kMasked>
   __device__ static Band from(const FwdParams& p, int batch) {
+    if (!kMasked) return with_lengths<false>(p, batch, p.seqlen_q, p.seqlen_k);
+    return with_lengths<true>(p, batch, p.seqlens ? p.seqlens[2 * batch] : p.seqlen_q,
+                              p.seqlens ? p.seqlens[2 * batch + 1] : p.seqlen_k);
+  }
+  // The same, with this batch row's lengths already read (the forward's producer passes them on).
+  template <bool kMasked>
+  __device__ static Band with_lengths(const FwdParams& p, int batch, int seqlen_q, int seqlen_k) {
     if (!kMasked) {
       return {p.seqlen_k - p.seqlen_q, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
               nullptr, nullptr, nullptr, nullptr, false};
     }
-    const int seqlen_q = p.seqlens ? p.seqlens[2 * batch] : p.seqlen_q;
-    const int seqlen_k = p.seqlens ? p.seqlens[2 * batch + 1] : p.seqlen_k;
     const bool segments = p.q_segments != nullptr;
     const int q_chunks = (p.seqlen_q + kMaskChunk - 1) / kMaskChunk;
     const int kv_chunks = (p.seqlen_k + kMaskChunk - 1) / kMaskChunk;

@@ -69,9 +69,10 @@ struct FwdConfig {
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V tile
-  // Barriers: q_full, q_empty, four per stage; then two slots holding tile indices; then
-  // last_s_landed (the staged O store).
-  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages) + 16;
+  // Barriers: q_full, q_empty, four per stage, last_s_landed (the staged O store); then, 16-byte
+  // aligned, three slots of 48 bytes holding a tile's work (FwdWork::store).
+  static constexpr int kSlotsOffset = (8 * (3 + 4 * kStages) + 15) / 16 * 16;
+  static constexpr int kBarrierBytes = kSlotsOffset + 3 * 48;
   // + 1024: the dynamic shared memory is aligned up to the 1024 bytes the swizzle repeats over.
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
   // O is computed in chunks of at most 128 columns (one wgmma n128 each; n64 at H = 192).
@@ -101,15 +102,18 @@ struct FwdTile {
 };
 
 // What one tile reads: its rows, its batch row's mask, and the key blocks n_begin up to
-// n_begin + blocks - 1. The producer and the consumers each derive it from the tile index; the rest
-// (batch, head) is recomputed where it is used, which keeps the consumers' registers for the
-// accumulators.
+// n_begin + blocks - 1. The producer derives it from the tile index and publishes it in a slot of
+// shared memory with the tile's Q (store / load): derived by the consumers too, its integer
+// divisions sat between a tile's Q and its first product, with the tensor cores idle (600-700
+// cycles a tile, 170-230 to read it; docs/PERF.md, H19).
 // In the redo pass (kRedo) the tiles are those the first pass listed (FwdScratch).
 template <typename Cfg, bool kMasked, bool kRedo>
 struct FwdWork {
   int q_first, n_begin, blocks;
   int rotation = 0;  // 1: block 0 visited last (Cfg::kWindowEdgeLast)
+  int batch, head;
   Band band;
+  static constexpr int kSlotBytes = 48;
   __device__ static int m_blocks(const FwdParams& p) { return (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM; }
   __device__ static int all_tiles(const FwdParams& p) { return m_blocks(p) * p.batch * p.heads; }
   __device__ static int tile_count(const FwdParams& p) {
@@ -123,6 +127,8 @@ struct FwdWork {
     const FwdTile t = tile_of(tile, p);
     FwdWork w;
     w.q_first = t.m_block * Cfg::kBlockM;
+    w.batch = t.batch;
+    w.head = t.head;
     w.band = Band::from<kMasked>(p, t.batch);
     const int q_last = min(w.q_first + Cfg::kBlockM, p.seqlen_q) - 1;
     const Range keys = w.band.keys_of(w.q_first, q_last);
@@ -132,6 +138,24 @@ struct FwdWork {
       w.rotation = w.band.left >= 0 && w.blocks > 1 &&
                    !w.band.all_visible(w.q_first, q_last, w.n_begin * Cfg::kBlockN, (w.n_begin + 1) * Cfg::kBlockN - 1);
     }
+    return w;
+  }
+  // Into / from a slot of kSlotBytes (16-byte aligned); tile < 0: no tile left.
+  __device__ void store(uint32_t slot, int tile) const {
+    ptx::st_shared_v4(slot, uint32_t(tile), uint32_t(q_first), uint32_t(n_begin), uint32_t(blocks));
+    ptx::st_shared_v4(slot + 16, uint32_t(rotation), uint32_t(batch), uint32_t(head), uint32_t(band.seqlen_q));
+    ptx::st_shared_b32(slot + 32, uint32_t(band.seqlen_k));
+  }
+  __device__ static void store_end(uint32_t slot) { ptx::st_shared_b32(slot, uint32_t(-1)); }
+  // Read by plain loads (the slot's generic address), which the compiler may repeat where it
+  // would otherwise keep the values in registers (with asm loads the redo kernels spilled).
+  __device__ static int load_tile(const int* slot) { return slot[0]; }
+  __device__ static FwdTile load_tile_coordinates(const int* slot) { return {0, slot[5], slot[6]}; }
+  __device__ static FwdWork load(const int* slot, const FwdParams& p) {
+    FwdWork w;
+    w.q_first = slot[1], w.n_begin = slot[2], w.blocks = slot[3];
+    w.rotation = slot[4], w.batch = slot[5], w.head = slot[6];
+    w.band = Band::with_lengths<kMasked>(p, w.batch, slot[7], slot[8]);
     return w;
   }
   // The keys of the j-th block visited.
@@ -160,6 +184,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   static_assert(kVariant != Variant::kBias, "bias and mask run the sm80 kernels");
   constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
   using Work = FwdWork<Cfg, kMasked, kRedo>;
+  // The consumers read each tile's work where the producer published it (FwdWork), except in the
+  // redo pass and the capped H = 256 kernel, whose consumers then spilled (56-152 and 24 bytes);
+  // there they derive it again.
+  constexpr bool kReadsWork = !kRedo && !(kSoftcap && kHeadDim == 256);
   constexpr bool kStagedStore = Cfg::kStagedStore;
 
   extern __shared__ char smem[];
@@ -172,12 +200,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto v_full = [&](int stage) { return bars + 8 * (2 + kStages + stage); };
   auto k_empty = [&](int stage) { return bars + 8 * (2 + 2 * kStages + stage); };
   auto v_empty = [&](int stage) { return bars + 8 * (2 + 3 * kStages + stage); };
-  // The producer writes the index of the n-th tile (tiles or more: no tile left) whose Q it loads
-  // into tile_slot(n) before it arrives on q_full; the consumers read it there during the tile
-  // (two slots: the producer writes the next one while they finish this one).
-  auto tile_slot = [&](int n) { return bars + 8 * (2 + 4 * kStages) + 4 * (n & 1); };
-  const uint32_t last_s_landed = bars + 8 * (2 + 4 * kStages) + 8;
-  static_assert(8 * (2 + 4 * kStages) + 16 <= Cfg::kBarrierBytes, "barrier space");
+  const uint32_t last_s_landed = bars + 8 * (2 + 4 * kStages);
+  // The producer writes the work of the n-th tile whose Q it loads (or that no tile is left) into
+  // tile_slot(n) before it arrives on q_full; the consumers read it there at the tile's start and
+  // in its epilogue. Three slots: the producer writes tile n's as soon as it has derived it, once
+  // the consumers have begun tile n - 2 (it waited for that before publishing tile n - 1), so
+  // done with tile n - 3's slot; the work need not stay in its registers until Q's buffer frees.
+  auto tile_slot = [&](int n) { return bars + Cfg::kSlotsOffset + Work::kSlotBytes * (n % 3); };
+  static_assert(Cfg::kSlotsOffset + 3 * Work::kSlotBytes <= Cfg::kBarrierBytes, "barrier space");
+  auto tile_slot_ptr = [&](int n) {
+    return reinterpret_cast<const int*>(smem + (tile_slot(n) - ptx::smem_addr(smem)));
+  };
 
   if (threadIdx.x == 0) {
     ptx::mbarrier_init(q_full, 1);
@@ -219,35 +252,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int tiles = Work::tile_count(p);
     int tile = blockIdx.x;
     for (int n = 0, it = 0;; ++n) {
-      // Q's buffer and the tile slot are free once every consumer's last S of the previous tile
-      // has landed.
-      auto publish = [&] {
+      // Q's buffer is free once every consumer's last S of the previous tile has landed.
+      auto wait_q_empty = [&] {
         if (n > 0) ptx::mbarrier_wait(q_empty, (n - 1) & 1);
-        ptx::st_shared_b32(tile_slot(n), uint32_t(tile));
       };
       if (tile >= tiles) {  // no tile left: the consumers are told so, and all stop
-        publish();
+        Work::store_end(tile_slot(n));
+        wait_q_empty();
         ptx::mbarrier_arrive(q_full);
         break;
       }
       const Work w = Work::of(tile, p);
-      const FwdTile t = Work::tile_of(tile, p);
-      const int kv_head = t.head / (p.heads / p.kv_heads);
+      w.store(tile_slot(n), tile);
+      const int kv_head = w.head / (p.heads / p.kv_heads);
       if (w.blocks == 0) {
-        publish();
+        wait_q_empty();
         ptx::mbarrier_arrive(q_full);
       } else {
         // The first K block goes out before Q: its stage frees earlier than Q's buffer.
-        load_k(it, kv_head, w.key_first(0), t.batch);
-        publish();
+        load_k(it, kv_head, w.key_first(0), w.batch);
+        wait_q_empty();
         ptx::mbarrier_arrive_expect_tx(q_full, Cfg::kQBytes);
         for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-          ptx::tma_load_4d(sQ + panel * kBlockM * 128, &maps.q, q_full, panel * 64, t.head, w.q_first, t.batch);
+          ptx::tma_load_4d(sQ + panel * kBlockM * 128, &maps.q, q_full, panel * 64, w.head, w.q_first, w.batch);
         }
-        load_v(it, kv_head, w.key_first(0), t.batch);
+        load_v(it, kv_head, w.key_first(0), w.batch);
         for (int j = 1; j < w.blocks; ++j) {
-          load_k(it + j, kv_head, w.key_first(j), t.batch);
-          load_v(it + j, kv_head, w.key_first(j), t.batch);
+          load_k(it + j, kv_head, w.key_first(j), w.batch);
+          load_v(it + j, kv_head, w.key_first(j), w.batch);
         }
       }
       it += w.blocks;
@@ -304,8 +336,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kStoreBarrier = kTurnBarrier + Cfg::kConsumers;  // + consumer: its O staged
   for (int n = 0, it = 0;; ++n) {
     ptx::mbarrier_wait(q_full, n & 1);
-    const int tile = int(ptx::ld_shared_b32(tile_slot(n)));
-    if (tile >= Work::tile_count(p)) {
+    const int tile = Work::load_tile(tile_slot_ptr(n));
+    if (tile < 0) {
       // The last consumer passed its last turn on to consumer 0: take it, so that no arrival is
       // left on a named barrier when the CTA exits.
       if (consumer == 0 && started) wait_turn();
@@ -313,7 +345,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (kStagedStore && tid == 0) ptx::tma_store_wait_all();
       break;
     }
-    const Work w = Work::of(tile, p);
+    const Work w = kReadsWork ? Work::load(tile_slot_ptr(n), p) : Work::of(tile, p);
     const int q_first = w.q_first, blocks = w.blocks;
     const Band& band = w.band;
 
@@ -558,7 +590,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // Epilogue: normalise O; stage it for a TMA store (kStagedStore), or store its rows straight
     // from registers (rows past the sequence are not stored). The lse goes first: an instruction
     // after the O stores that reuses their registers waits until they have drained.
-    const FwdTile t = Work::tile_of(int(ptx::ld_shared_b32(tile_slot(n))), p);
+    const FwdTile t = Work::load_tile_coordinates(tile_slot_ptr(n));  // read again: not kept in registers
     const int rows_valid = min(kBlockM, p.seqlen_q - q_first);
     float inv[2];
 #pragma unroll
