@@ -113,7 +113,7 @@ struct FwdWork {
   int rotation = 0;  // 1: block 0 visited last (Cfg::kWindowEdgeLast)
   int batch, head;
   Band band;
-  static constexpr int kSlotBytes = 48;
+  static constexpr int kSlotBytes = 48;  // 9 ints (Slot), 16-byte aligned
   __device__ static int m_blocks(const FwdParams& p) { return (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM; }
   __device__ static int all_tiles(const FwdParams& p) { return m_blocks(p) * p.batch * p.heads; }
   __device__ static int tile_count(const FwdParams& p) {
@@ -140,22 +140,25 @@ struct FwdWork {
     }
     return w;
   }
-  // Into / from a slot of kSlotBytes (16-byte aligned); tile < 0: no tile left.
+  // Into / from a slot of kSlotBytes (16-byte aligned), these ints in this order; tile < 0: no
+  // tile left.
+  enum Slot { kTile, kQFirst, kNBegin, kBlocks, kRotation, kBatch, kHead, kSeqlenQ, kSeqlenK };
   __device__ void store(uint32_t slot, int tile) const {
     ptx::st_shared_v4(slot, uint32_t(tile), uint32_t(q_first), uint32_t(n_begin), uint32_t(blocks));
-    ptx::st_shared_v4(slot + 16, uint32_t(rotation), uint32_t(batch), uint32_t(head), uint32_t(band.seqlen_q));
-    ptx::st_shared_b32(slot + 32, uint32_t(band.seqlen_k));
+    ptx::st_shared_v4(slot + 4 * kRotation, uint32_t(rotation), uint32_t(batch), uint32_t(head),
+                      uint32_t(band.seqlen_q));
+    ptx::st_shared_b32(slot + 4 * kSeqlenK, uint32_t(band.seqlen_k));
   }
-  __device__ static void store_end(uint32_t slot) { ptx::st_shared_b32(slot, uint32_t(-1)); }
+  __device__ static void store_end(uint32_t slot) { ptx::st_shared_b32(slot + 4 * kTile, uint32_t(-1)); }
   // Read by plain loads (the slot's generic address), which the compiler may repeat where it
   // would otherwise keep the values in registers (with asm loads the redo kernels spilled).
-  __device__ static int load_tile(const int* slot) { return slot[0]; }
-  __device__ static FwdTile load_tile_coordinates(const int* slot) { return {0, slot[5], slot[6]}; }
+  __device__ static int load_tile(const int* slot) { return slot[kTile]; }
+  __device__ static FwdTile load_tile_coordinates(const int* slot) { return {0, slot[kBatch], slot[kHead]}; }
   __device__ static FwdWork load(const int* slot, const FwdParams& p) {
     FwdWork w;
-    w.q_first = slot[1], w.n_begin = slot[2], w.blocks = slot[3];
-    w.rotation = slot[4], w.batch = slot[5], w.head = slot[6];
-    w.band = Band::with_lengths<kMasked>(p, w.batch, slot[7], slot[8]);
+    w.q_first = slot[kQFirst], w.n_begin = slot[kNBegin], w.blocks = slot[kBlocks];
+    w.rotation = slot[kRotation], w.batch = slot[kBatch], w.head = slot[kHead];
+    w.band = Band::with_lengths<kMasked>(p, w.batch, slot[kSeqlenQ], slot[kSeqlenK]);
     return w;
   }
   // The keys of the j-th block visited.
