@@ -6,6 +6,8 @@
 // Three warp groups (four). Warp group 0 is the producer: one thread issues bulk tensor copies
 // (TMA) of each tile's Q and of K and V per key block into kStages shared-memory stages, each
 // completing on a "full" mbarrier; it gives most of its registers to the consumers (setmaxnreg).
+// With each tile's Q it publishes the tile's work (rows, key blocks: FwdWork) in shared memory, so
+// that the consumers need not derive it again.
 // The stages form one ring across tiles, so the next tile's Q and first K/V blocks load while the
 // consumers finish this one, instead of after a new CTA has started.
 // The others are consumers of 64 rows each:
