@@ -5,6 +5,10 @@
 #   TESTS="tests/test_cuda.py" K="causal"   which tests the test step runs
 #   TEST_TIMEOUT=300                        seconds before pytest is interrupted (SIGINT, so that it
 #                                           still prints what passed and failed so far)
+#   XDIST=4                                 run the tests in that many processes sharing the GPU
+#                                           (pytest-xdist, carried as a wheel in .whl/ with execnet;
+#                                           most of a GPU test's time is XLA compiling), then the
+#                                           `timing` tests alone; TEST_TIMEOUT covers both
 #   BENCH="--quick"                         arguments of python -m jax_flash.bench
 #   PROFILE="--head-dim 128" NCU_KERNEL=bwd_kernel   the profile step: ncu on one kernel of one
 #                                           shape (not part of all); NCU_NAME_BASE=demangled matches
@@ -44,8 +48,16 @@ if [[ $step == build || $step == all ]]; then
 fi
 
 if [[ $step == test || $step == all ]]; then
-  timeout -s INT -k 20 ${TEST_TIMEOUT:-3000} $PY -m pytest -q -x -m gpu ${TESTS:-tests/test_cuda.py} ${K:+-k "$K"} \
-    2>&1 | tee "$OUT/tests.log" | tail -30
+  if [[ -n ${XDIST:-} ]]; then
+    # Workers allocate GPU memory as they need it, not 75% of it each.
+    (export XLA_PYTHON_CLIENT_PREALLOCATE=false
+     timeout -s INT -k 20 ${TEST_TIMEOUT:-3000} bash -c '"$0" -m pytest -q -x -n "$XDIST" -m "gpu and not timing" "$@" && \
+       "$0" -m pytest -q -x -m "gpu and timing" "$@"' $PY ${TESTS:-tests/test_cuda.py} ${K:+-k "$K"}) \
+      2>&1 | tee "$OUT/tests.log" | tail -30
+  else
+    timeout -s INT -k 20 ${TEST_TIMEOUT:-3000} $PY -m pytest -q -x -m gpu ${TESTS:-tests/test_cuda.py} ${K:+-k "$K"} \
+      2>&1 | tee "$OUT/tests.log" | tail -30
+  fi
 fi
 
 if [[ $step == bench || $step == all ]]; then

@@ -106,6 +106,7 @@ def test_padded_rows_are_zero_with_zero_gradients():
     assert np.isfinite(np.asarray(lse[0])).all()
 
 
+@pytest.mark.timing
 def test_packed_documents_cost_their_blocks_only():
     """8 documents of 2048 tokens packed in one 16384-token row: the forward and backward take
     well under the time of one causal 16384-token document (issue 6 asks ≤ 1/4 of the causal time;

@@ -50,6 +50,7 @@ def test_auto_mode_runs_softcap_on_the_kernels():
     assert "jax_flash_fwd" in fwd and "jax_flash_bwd" in grad
 
 
+@pytest.mark.timing
 def test_softcap_costs_little():
     """Causal 16k tokens, d = 128: forward + backward with a cap within 30% of without (issue 6
     asks <= 10%, which `python -m jax_flash.bench --masks` measures; this bound leaves room for
