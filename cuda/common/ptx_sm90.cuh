@@ -110,6 +110,10 @@ template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
+// The registers a CTA of `threads` threads is launched with, one CTA an SM (ptxas shares out the
+// register file, a multiple of 8 a thread: 168 at 384 threads). setmaxnreg moves registers
+// between warp groups only within them: an increase past them waits forever.
+constexpr int launch_registers(int threads) { return 65536 / threads / 8 * 8 * threads; }
 
 // --- wgmma: D[64 x N] (+)= A[64 x 16] B[16 x N] for one warp group, fp32 accumulators ---
 // Shared-memory operand descriptor for a tile stored as 128-byte rows with the 128-byte swizzle

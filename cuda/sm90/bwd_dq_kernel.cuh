@@ -46,7 +46,8 @@ struct BwdDqConfig {
   // The consumers' exchange of dQ halves at the end reuses the K/V stages: 2 x 64 x 128 floats.
   static_assert(2 * kBlockM * 128 * 4 <= 2 * kStages * kKVBytes, "exchange buffer inside the stages");
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
+  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= ptx::launch_registers(kThreads),
+                "registers at launch");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 

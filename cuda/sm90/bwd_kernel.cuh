@@ -92,7 +92,8 @@ struct BwdConfig {
   static constexpr int kBarriers = kDelta + kStages * kStatBytes;
   static constexpr int kSmemBytes = kBarriers + 8 * (1 + 4 * kStages + 2 * kConsumers * kDqBuffers) + 1024;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
+  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= ptx::launch_registers(kThreads),
+                "registers at launch");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 

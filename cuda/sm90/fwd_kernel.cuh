@@ -82,7 +82,8 @@ struct FwdConfig {
   static constexpr int kOChunks = kHeadDim / kOChunkCols;
   static constexpr int kProducerRegs = kConsumers == 3 ? 32 : 40;
   static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 232;
-  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
+  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= ptx::launch_registers(kThreads),
+                "registers at launch");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
