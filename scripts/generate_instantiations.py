@@ -15,8 +15,8 @@ VARIANTS = {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap", "_bias":
 KERNELS = {  # (kernel, arch) -> (launcher header, launcher, params, head dims, variants)
     ("fwd", "sm80"): ("launch/run_sm80.cuh", "run_fwd_sm80", "FwdParams", (32, 64, 96, 128, 192, 256), VARIANTS),
     ("bwd", "sm80"): ("launch/run_sm80.cuh", "run_bwd_sm80", "BwdParams", (32, 64, 96, 128, 256), VARIANTS),
-    # Bias and boolean masks run the sm80 kernels on Hopper too (params.h).
-    ("fwd", "sm90"): ("launch/run_sm90.cuh", "run_fwd_sm90", "FwdParams", (64, 128, 192, 256), list(VARIANTS)[:3]),
+    ("fwd", "sm90"): ("launch/run_sm90.cuh", "run_fwd_sm90", "FwdParams", (64, 128, 192, 256), VARIANTS),
+    # A bias's backward runs the sm80 kernels on Hopper too (dispatch.h).
     ("bwd", "sm90"): ("launch/run_sm90.cuh", "run_bwd_sm90", "BwdParams", (64, 128, 256), list(VARIANTS)[:3]),
 }
 # (kernel, arch, head dim, suffix) without a kernel: the d = 256 wgmma backward has no soft cap.

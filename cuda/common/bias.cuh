@@ -10,6 +10,14 @@
 
 namespace jax_flash {
 
+// Keys k, k + 1 (k even) adjacent and aligned in both arrays: unit key strides, even row strides
+// and an even S. Then a thread's two keys load as one (and the sm90 forward takes the call).
+__host__ __device__ inline bool bias_in_pairs(const FwdParams& p) {
+  const bool bias_pairs = !p.bias || (p.bias_strides.col == 1 && p.bias_strides.row % 2 == 0);
+  const bool mask_pairs = !p.mask || (p.mask_strides.col == 1 && p.mask_strides.row % 2 == 0);
+  return bias_pairs && mask_pairs && p.seqlen_k % 2 == 0;
+}
+
 template <typename T>
 struct LogitBias {
   const char* bias;  // at (batch, head); nullptr: none
@@ -17,21 +25,17 @@ struct LogitBias {
   int64_t bias_row, bias_col, mask_row, mask_col;
   int last_q, last_k;  // indices clamp to these, so that every load is in bounds
   bool bias_fp32;
-  // Keys k, k + 1 (k even) adjacent and aligned in both arrays: unit key strides, even row
-  // strides and an even S. Then a thread's two keys load as one.
-  bool pairs;
+  bool pairs;  // bias_in_pairs
   float inv_unit;  // the kernels keep logit = unit * x (logits.cuh), so x gets bias / unit
 
   __device__ static LogitBias from(const FwdParams& p, int batch, int head, float unit) {
     const Strides4& b = p.bias_strides;
     const Strides4& m = p.mask_strides;
     const int64_t bias_offset = (batch * b.batch + head * b.head) * (p.bias_fp32 ? 4 : sizeof(T));
-    const bool bias_pairs = !p.bias || (b.col == 1 && b.row % 2 == 0);
-    const bool mask_pairs = !p.mask || (m.col == 1 && m.row % 2 == 0);
     return {p.bias ? static_cast<const char*>(p.bias) + bias_offset : nullptr,
             p.mask ? reinterpret_cast<const unsigned char*>(p.mask) + batch * m.batch + head * m.head : nullptr,
             b.row, b.col, m.row, m.col, p.seqlen_q - 1, p.seqlen_k - 1, p.bias_fp32,
-            bias_pairs && mask_pairs && p.seqlen_k % 2 == 0, 1.f / unit};
+            bias_in_pairs(p), 1.f / unit};
   }
 
   // A mask loop, unswitched on `pairs`: fn(std::true_type{}) or fn(std::false_type{}).
@@ -85,6 +89,50 @@ struct LogitBias {
     return add;
   }
 };
+
+// The sm90 forward's bias and mask for one key block of a thread's two rows (the wgmma accumulator
+// layout: element 4 n8 + 2 r + c of s is row q[r], key k0 + 8 n8 + c, k0 even). The pairs layout
+// only (the dispatch sends the others to the sm80 kernels): each row's loads are then a base
+// address and constant offsets, not a 64-bit index per element; keys past the last read the last
+// pair (the band masks them).
+template <typename T, int kN8>
+__device__ __forceinline__ void add_bias_pairs(const LogitBias<T>& b, float (&s)[4 * kN8], const int (&q)[2], int k0) {
+  // The pair (keys last_k - 1, last_k: S is even) as an offset from this thread's first, k0.
+  const int last_pair = (b.last_k - 1 - k0) / 2;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = min(q[r], b.last_q);
+    if (b.bias != nullptr) {
+      const int64_t first = (row * b.bias_row + k0) / 2;  // in pairs: unit key stride, even row stride
+      if (b.bias_fp32) {
+        const float2* at = reinterpret_cast<const float2*>(b.bias) + first;
+#pragma unroll
+        for (int n8 = 0; n8 < kN8; ++n8) {
+          const float2 add = __ldg(at + min(4 * n8, last_pair));
+          s[4 * n8 + 2 * r] += add.x * b.inv_unit;
+          s[4 * n8 + 2 * r + 1] += add.y * b.inv_unit;
+        }
+      } else {
+        const unsigned* at = reinterpret_cast<const unsigned*>(b.bias) + first;
+#pragma unroll
+        for (int n8 = 0; n8 < kN8; ++n8) {
+          const float2 add = ptx::unpack2<T>(__ldg(at + min(4 * n8, last_pair)));
+          s[4 * n8 + 2 * r] += add.x * b.inv_unit;
+          s[4 * n8 + 2 * r + 1] += add.y * b.inv_unit;
+        }
+      }
+    }
+    if (b.mask != nullptr) {
+      const unsigned short* at = reinterpret_cast<const unsigned short*>(b.mask) + (row * b.mask_row + k0) / 2;
+#pragma unroll
+      for (int n8 = 0; n8 < kN8; ++n8) {
+        const unsigned short both = __ldg(at + min(4 * n8, last_pair));
+        if ((both & 0xff) == 0) s[4 * n8 + 2 * r] = -INFINITY;
+        if ((both >> 8) == 0) s[4 * n8 + 2 * r + 1] = -INFINITY;
+      }
+    }
+  }
+}
 
 struct BiasGrad {
   float* dbias;  // at (batch, head); nullptr: not wanted

@@ -4,6 +4,7 @@
 
 #include <type_traits>
 
+#include "common/bias.cuh"
 #include "launch/dispatch.h"
 
 namespace jax_flash {
@@ -53,8 +54,9 @@ cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream
   const bool sm90 = use_sm90(family) && fwd_sm90_supports_head_dim(p.head_dim);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
-    if constexpr (kVariant != Variant::kBias && fwd_sm90_supports_head_dim(kHeadDim)) {
-      if (sm90) return run_fwd_sm90<T, kHeadDim, kVariant>(p, stream);
+    if constexpr (fwd_sm90_supports_head_dim(kHeadDim)) {
+      // A bias or mask in another layout than pairs (odd S, strided keys) runs the sm80 kernel.
+      if (sm90 && (kVariant != Variant::kBias || bias_in_pairs(p))) return run_fwd_sm90<T, kHeadDim, kVariant>(p, stream);
     }
     return run_fwd_sm80<T, kHeadDim, kVariant>(p, stream);
   });

@@ -79,7 +79,8 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // H9-H11), also with lengths and the soft cap. At H = 128 a window bounded on the left, or
   // segments, would waste more of 176 keys at their edges (window 512 and 2048-token documents lost
   // 14%); at H = 256 the blocks are 80 keys against 64, and they lost nothing.
-  if constexpr (kHeadDim == 128 || kHeadDim == 256) {
+  // The bias variant keeps the narrow blocks: with the wide ones its loads' registers spilled.
+  if constexpr ((kHeadDim == 128 || kHeadDim == 256) && kVariant != Variant::kBias) {
     const bool edges = p.window_left >= 0 || p.q_segments != nullptr;
     if (kHeadDim == 256 || !edges) {
       return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 2, true>, kVariant>(p, stream);

@@ -31,6 +31,7 @@
 
 #include <cmath>
 
+#include "common/bias.cuh"
 #include "common/logits.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
@@ -96,9 +97,16 @@ struct FwdTensorMaps {
 // The order of the tiles: the query blocks of one (batch, head) consecutive, the last first (the
 // longest rows under a causal band), so that the CTAs at work share the K/V of a few heads in L2
 // and the short tiles of a head come last, filling in behind the long ones.
+// With a bias or mask that all heads share (kBias), the heads of one query block come
+// consecutively instead, so that the CTAs at work share that block's rows of it in L2 (read once
+// per head, a [T, S] bias was most of the forward's DRAM traffic).
 struct FwdTile {
   int m_block, batch, head;
-  __device__ static FwdTile from(int tile, int m_blocks, int heads) {
+  __device__ static FwdTile from(int tile, int m_blocks, int heads, bool heads_inner) {
+    if (heads_inner) {
+      const int bm = tile / heads;
+      return {m_blocks - 1 - bm % m_blocks, bm / m_blocks, tile - bm * heads};
+    }
     const int bh = tile / m_blocks;
     return {m_blocks - 1 - (tile - bh * m_blocks), bh / heads, bh % heads};
   }
@@ -110,8 +118,9 @@ struct FwdTile {
 // divisions sat between a tile's Q and its first product, with the tensor cores idle (600-700
 // cycles a tile, 170-230 to read it; docs/PERF.md, H19).
 // In the redo pass (kRedo) the tiles are those the first pass listed (FwdScratch).
-template <typename Cfg, bool kMasked, bool kRedo>
+template <typename Cfg, Variant kVariant, bool kRedo>
 struct FwdWork {
+  static constexpr bool kMasked = kVariant != Variant::kPlain;
   int q_first, n_begin, blocks;
   int rotation = 0;  // 1: block 0 visited last (Cfg::kWindowEdgeLast)
   int batch, head;
@@ -124,7 +133,8 @@ struct FwdWork {
   }
   __device__ static FwdTile tile_of(int tile, const FwdParams& p) {
     if constexpr (kRedo) tile = p.tile_scratch[FwdScratch::redo_list(all_tiles(p)) + tile];
-    return FwdTile::from(tile, m_blocks(p), p.heads);
+    const bool shared_bias = (!p.bias || p.bias_strides.head == 0) && (!p.mask || p.mask_strides.head == 0);
+    return FwdTile::from(tile, m_blocks(p), p.heads, kVariant == Variant::kBias && shared_bias);
   }
   __device__ static FwdWork of(int tile, const FwdParams& p) {
     const FwdTile t = tile_of(tile, p);
@@ -187,9 +197,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kStages = Cfg::kStages;
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
-  static_assert(kVariant != Variant::kBias, "bias and mask run the sm80 kernels");
-  constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
-  using Work = FwdWork<Cfg, kMasked, kRedo>;
+  constexpr bool kMasked = kVariant != Variant::kPlain, kBias = kVariant == Variant::kBias;
+  constexpr bool kSoftcap = kVariant == Variant::kSoftcap;
+  using Work = FwdWork<Cfg, kVariant, kRedo>;
   // The consumers read each tile's work where the producer published it (FwdWork), except in the
   // redo pass and the capped H = 256 kernel, whose consumers then spilled (56-152 and 24 bytes);
   // there they derive it again.
@@ -407,12 +417,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       ptx::wgmma_commit();
     };
-    // Soft cap, then the band mask (only blocks that straddle the band or the end of the keys).
+    // Soft cap (the kBias variant: where the call has one), bias and boolean mask, then the band
+    // mask (only blocks that straddle the band or the end of the keys).
     auto cap_and_mask = [&](float (&s)[kSRegs], int j) {
       const int k_first = w.key_first(j);
-      if constexpr (kSoftcap) {
+      if constexpr (kSoftcap || kBias) {
 #pragma unroll
         for (int i = 0; i < kSRegs; ++i) s[i] = logits.value(s[i]);
+      }
+      if constexpr (kBias) {
+        // Made each block from the parameters (constant memory) rather than kept across the
+        // tile: its pointers and strides would hold a dozen registers.
+        const int q[2] = {q_first + row_in_tile(0), q_first + row_in_tile(1)};
+        add_bias_pairs<T, kBlockN / 8>(LogitBias<T>::from(p, w.batch, w.head, logits.unit), s, q,
+                                       k_first + (lane % 4) * 2);
       }
       if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
         const int q[2] = {q_first + row_in_tile(0), q_first + row_in_tile(1)};
