@@ -182,7 +182,8 @@ struct FwdWork {
   }
 };
 
-// kVariant (params.h): which of the masks (mask.cuh) and the soft cap (logits.cuh) are read.
+// kVariant (params.h): which of the masks (mask.cuh), the soft cap (logits.cuh) and the bias and
+// boolean mask (bias.cuh; the pairs layout only, launch/dispatch.cu) are read.
 // p.tile_scratch (FwdScratch): zeroed before the first pass; CTA c starts with tile c, and claims
 // each next one as gridDim.x + (an increment of its pass's counter) once it has issued the
 // current tile's last copies.
