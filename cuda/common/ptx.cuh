@@ -22,6 +22,8 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool v
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 4 : 0));
 }
+// The line holding p into this SM's L1, ahead of loads that would otherwise wait on L2.
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 // Wait until at most N committed groups are still in flight.
 template <int N>

@@ -456,6 +456,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
       return fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
     };
+    // The bias's and mask's lines of block j into L1 while S_j is computed (cap_and_mask reads
+    // them when it has landed): a quad's four threads take its two rows' two 64-key halves.
+    auto prefetch_bias = [&](int j) {
+      if constexpr (kBias) {
+        const LogitBias<T> b = LogitBias<T>::from(p, w.batch, w.head, logits.unit);
+        const int64_t row = min(q_first + row_in_tile((lane % 4) / 2), b.last_q);
+        const int k = min(w.key_first(j) + (lane % 2) * 64, b.last_k);
+        if (b.bias != nullptr) {
+          ptx::prefetch_l1(b.bias + (row * b.bias_row + k) * (b.bias_fp32 ? 4 : int(sizeof(T))));
+        }
+        if (b.mask != nullptr) ptx::prefetch_l1(b.mask + row * b.mask_row + k);
+      }
+    };
     // A row that has seen nothing visible keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
     auto shift_of = [&](int r) { return row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2; };
     // S becomes exp2(S * scale_log2 - shift) in place; returns this thread's sum of the row.
@@ -573,6 +586,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       started = true;
       wait_turn();
       issue_s(s, 0);
+      prefetch_bias(0);
       pass_turn();
       release_staging();
       ptx::wgmma_wait<0>();
@@ -583,6 +597,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int j = 1; j < blocks; ++j) {
         wait_turn();
         issue_s(s, j);
+        prefetch_bias(j);
         issue_pv(pa, j - 1);
         pass_turn();
         ptx::wgmma_wait<1>();  // S_j is in; P_{j-1} V_{j-1} may still run
