@@ -56,7 +56,8 @@ cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream
     constexpr int kHeadDim = decltype(d)::value;
     if constexpr (fwd_sm90_supports_head_dim(kHeadDim)) {
       // A bias or mask in another layout than pairs (odd S, strided keys) runs the sm80 kernel.
-      if (sm90 && (kVariant != Variant::kBias || bias_in_pairs(p))) return run_fwd_sm90<T, kHeadDim, kVariant>(p, stream);
+      const bool layout_ok = kVariant != Variant::kBias || bias_in_pairs(p);
+      if (sm90 && layout_ok) return run_fwd_sm90<T, kHeadDim, kVariant>(p, stream);
     }
     return run_fwd_sm80<T, kHeadDim, kVariant>(p, stream);
   });
