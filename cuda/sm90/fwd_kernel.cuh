@@ -198,8 +198,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kStages = Cfg::kStages;
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
-  constexpr bool kMasked = kVariant != Variant::kPlain, kBias = kVariant == Variant::kBias;
-  constexpr bool kSoftcap = kVariant == Variant::kSoftcap;
+  constexpr bool kBias = kVariant == Variant::kBias, kSoftcap = kVariant == Variant::kSoftcap;
   using Work = FwdWork<Cfg, kVariant, kRedo>;
   // The consumers read each tile's work where the producer published it (FwdWork), except in the
   // redo pass and the capped H = 256 kernel, whose consumers then spilled (56-152 and 24 bytes);
