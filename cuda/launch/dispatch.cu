@@ -75,7 +75,9 @@ cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
     if constexpr (bwd_sm90_supports(kHeadDim, kVariant)) {
-      if (sm90) return run_bwd_sm90<T, kHeadDim, kVariant>(p, stream);
+      // The sm90 backward neither caps a biased logit nor writes the bias's gradient.
+      const bool bias_ok = kVariant != Variant::kBias || (p.softcap == 0.f && p.dbias == nullptr);
+      if (sm90 && bias_ok) return run_bwd_sm90<T, kHeadDim, kVariant>(p, stream);
     }
     if constexpr (bwd_supports_head_dim(kHeadDim)) {
       return run_bwd_sm80<T, kHeadDim, kVariant>(p, stream);

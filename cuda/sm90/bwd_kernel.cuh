@@ -33,6 +33,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "common/bias.cuh"
 #include "common/bwd_walk.cuh"
 #include "common/logits.cuh"
 #include "common/mask.cuh"
@@ -107,8 +108,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kStages = Cfg::kStages;
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
-  static_assert(kVariant != Variant::kBias, "bias and mask run the sm80 kernels");
   constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
+  constexpr bool kBias = kVariant == Variant::kBias;  // without a cap or dbias (dispatch)
   // Key blocks with the longest walks start first (BwdCta): 3-4% on causal rows of 4k-8k tokens
   // (9% with a soft cap), level elsewhere (docs/PERF.md, B19).
   // Not where the remap's registers spill: at 80-query steps (which run no band, so that every
@@ -254,7 +255,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   };
   ds_offsets(warp, lane);
   if constexpr (!kSoftcap && !Cfg::kDqTransposed) asm volatile("" : "+r"(ds_lane_offset), "+r"(ds_chunk_bits));
-  const auto logits = Logits<cap_of(kVariant)>::from(p);
+  const auto logits = Logits<kBias ? Cap::kNever : cap_of(kVariant)>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];  // m64 x H: keys x columns
@@ -361,7 +362,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int n = 0; n < kBlockM / 8; ++n) {
       const float2 l = kEarlyLse ? lse[n] : stats_of_tile(sLse(stage), n);
 #pragma unroll
-      for (int i = 4 * n; i < 4 * n + 4; ++i) st[i] = ptx::exp2(st[i] * scale_log2 - (i % 2 ? l.y : l.x));
+      for (int i = 4 * n; i < 4 * n + 4; ++i) {
+        if constexpr (kBias) {
+          // This thread's keys are k0 and k0 + 8 (rows of S^T).
+          const int k0 = key0 + warp * 16 + lane / 4;
+          st[i] = with_bias(LogitBias<T>::from(p, batch, step.head, logits.unit), st[i], q_first + accum_col(i),
+                            k0 + 8 * ((i % 4) / 2));
+        }
+        st[i] = ptx::exp2(st[i] * scale_log2 - (i % 2 ? l.y : l.x));
+      }
     }
     // As A operands of k16 steps over the step's queries: the accumulator and A layouts agree.
     uint32_t pa[kBlockM / 16][4];
