@@ -4,8 +4,8 @@ One long row (16384 tokens, d = 128, 16 heads, bf16 on a GPU; 1024 tokens on a C
 mask, timed forward and forward + backward, as a fraction of the causal time. Work should follow
 the unmasked area: a 512-token window is 1/16 of the causal area at 16k, eight packed causal
 documents 1/8, half-length padded keys about 1/4. The soft cap adds a tanh per logit to the
-causal case, a [T, S] bias or boolean mask (shared by the heads) a load per logit: their
-fractions are their costs.
+causal case, a [T, S] bias or boolean mask (shared by the heads) a load per logit, and a
+learned bias also its gradient (an add per logit into dbias): their fractions are their costs.
 
 On a GPU the peers that take a window (cuDNN through `jax.nn.dot_product_attention` and, when it
 imports, FlashAttention-3's JAX binding) run the causal and window cases too, each as a fraction
@@ -39,8 +39,20 @@ def cases(seqlen: int, dtype) -> dict[str, dict]:
                                              key_value_seq_lengths=jnp.asarray([seqlen // 2], jnp.int32)),
         "softcap 30 (causal)": dict(is_causal=True, softcap=30.0),
         "bias [1, 1, T, S] (causal)": dict(is_causal=True, bias=bias),
+        "learned bias [1, 1, T, S] (causal)": dict(is_causal=True, bias=bias, learned=True),
         "boolean mask [1, 1, T, S] (causal)": dict(is_causal=True, mask=bias > -2.0),
     }
+
+
+def _ours(kw: dict):
+    """jax_flash.attention on a case; a `learned` bias gets a gradient (the backward then writes
+    dbias, as when the bias is trained) through a zero multiple of q, which the timed gradient
+    (with respect to q, k and v) differentiates."""
+    kw = dict(kw)
+    if not kw.pop("learned", False):
+        return lambda q, k, v, causal: jax_flash.attention(q, k, v, **kw)
+    bias = kw.pop("bias")
+    return lambda q, k, v, causal: jax_flash.attention(q, k, v, bias=bias + 0 * q[0, 0, 0, 0], **kw)
 
 
 # The cases the peers run (they take no segment ids, cap or bias here).
@@ -55,7 +67,7 @@ def run() -> list[dict]:
     seqlen, heads, dtype = (16384, 16, jnp.bfloat16) if on_gpu else (1024, 2, jnp.float32)
     shape = Shape(head_dim=128, seqlen=seqlen, causal=True, batch=1, heads=heads)
     ours = cases(seqlen, dtype)
-    attns = {name: (lambda q, k, v, causal, kw=kw: jax_flash.attention(q, k, v, **kw)) for name, kw in ours.items()}
+    attns = {name: _ours(kw) for name, kw in ours.items()}
     causal_of = dict.fromkeys(ours, "causal")  # case -> the case its fractions divide by
     for peer, attn in peers(on_gpu).items():
         for name in PEER_CASES:

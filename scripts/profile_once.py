@@ -22,6 +22,8 @@ parser.add_argument("--masks", action="store_true",
                     help="sequence lengths and four packed documents a row (the masked kernels)")
 parser.add_argument("--softcap", type=float, default=None, help="logit soft cap (the softcap kernels)")
 parser.add_argument("--window", type=int, default=None, help="local window: this many keys to the left")
+parser.add_argument("--bias", action="store_true",
+                    help="a [1, N, T, S] bias, differentiated (the bias kernels); with --masks also a [B, 1, T, S] boolean mask")
 parser.add_argument("--peer", choices=["fa3_jax"], default=None,
                     help="run FlashAttention-3's JAX binding instead (plain causal or not), to profile the peer")
 args = parser.parse_args()
@@ -38,21 +40,25 @@ if args.masks:
 
 
 window = None if args.window is None else (args.window, 0 if args.causal else args.window)
+batch, seqlen, heads = dims[:3]
+bias_keys = jax.random.split(jax.random.key(1))
+bias = jax.random.normal(bias_keys[0], (1, heads, seqlen, seqlen), jnp.bfloat16) if args.bias else None
+mask = jax.random.bernoulli(bias_keys[1], 0.8, (batch, 1, seqlen, seqlen)) if args.bias and args.masks else None
 
 
-def attention(q, k, v):
+def attention(q, k, v, bias):
     if args.peer == "fa3_jax":
         from flash_attn3_jax import flash_mha
 
         return flash_mha(q, k, v, is_causal=args.causal)
-    return jax_flash.attention(q, k, v, is_causal=args.causal, implementation="cuda", softcap=args.softcap,
-                               local_window_size=window, **masks)
+    return jax_flash.attention(q, k, v, bias, mask, is_causal=args.causal, implementation="cuda",
+                               softcap=args.softcap, local_window_size=window, **masks)
 
 
 @jax.jit
-def fwd_bwd(q, k, v, do):
-    out, vjp = jax.vjp(attention, q, k, v)
+def fwd_bwd(q, k, v, bias, do):
+    out, vjp = jax.vjp(attention, q, k, v, bias)
     return out, vjp(do)
 
 
-jax.block_until_ready(fwd_bwd(q, k, v, do))
+jax.block_until_ready(fwd_bwd(q, k, v, bias, do))

@@ -24,13 +24,30 @@ def test_quick_benchmark_table_and_plot(tmp_path, capsys):
 
 def test_masks_benchmark(capsys):
     rows = bench.main(["--masks"])
-    assert [r["case"] for r in rows][0] == "causal" and len(rows) == len(bench_masks.cases(64, jnp.float32)) == 7
+    assert [r["case"] for r in rows][0] == "causal" and len(rows) == len(bench_masks.cases(64, jnp.float32)) == 8
     assert all(r["fwd"] > 0 and r["fwd_bwd"] > r["fwd"] for r in rows)
     # Fractions of causal round by round (the cases interleaved, as bench.measure times them).
     assert all(len(r["fwd_rounds"]) == len(r["fwd_bwd_rounds"]) == bench.ROUNDS for r in rows)
     assert rows[0]["fwd_rounds"] == [1.0] * bench.ROUNDS and min(rows[1]["fwd_rounds"]) > 0
     out = capsys.readouterr().out
     assert "| 8 packed documents (causal) |" in out and "| softcap 30 (causal) |" in out and "| bias [1, 1, T, S] (causal) |" in out and "fwd / causal" in out
+
+
+def test_learned_bias_case_differentiates_the_bias_and_changes_nothing_else():
+    """The learned-bias case sends a cotangent to the bias (so the backward computes dbias) through
+    a zero multiple of q: q, k and v get the gradients of the plain bias case."""
+    seqlen = 64
+    case = bench_masks.cases(seqlen, jnp.float32)
+    learned, plain = (bench_masks._ours(case[name]) for name in ("learned bias [1, 1, T, S] (causal)",
+                                                                  "bias [1, 1, T, S] (causal)"))
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, seqlen, 2, 16)) for i in range(3))
+    loss = lambda attn: lambda q, k, v: (attn(q, k, v, True) ** 2).sum()  # noqa: E731
+    grads, plain_grads = (jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v) for f in (learned, plain))
+    for g, want in zip(grads, plain_grads):
+        assert jnp.allclose(g, want, rtol=1e-5, atol=1e-6)
+    # The learned case's backward makes one [1, 1, T, S] array more: dbias.
+    learned_jaxpr, plain_jaxpr = (str(jax.make_jaxpr(jax.grad(loss(f)))(q, k, v)) for f in (learned, plain))
+    assert learned_jaxpr.count(f"[1,1,{seqlen},{seqlen}]") > plain_jaxpr.count(f"[1,1,{seqlen},{seqlen}]")
 
 
 def test_masks_benchmark_peer_rows_are_fractions_of_the_peers_causal(monkeypatch):

@@ -85,6 +85,29 @@ def test_bias_and_mask_with_other_masks(h, kw):
         check_with_bias(jnp.bfloat16, b, t, s, n, kv_heads, h, bias, **cases)
 
 
+@pytest.mark.parametrize("case", ["bf16_bias_causal", "fp16_bias_and_mask", "fp32_bias_window", "mask_lengths_gqa"])
+def test_bias_tiles_of_the_hopper_backward(case):
+    """Layouts whose tiles the sm90 backward stages with TMA (sm90/bwd_bias_tiles.cuh: d = 128, unit
+    key strides, whole [T, S] rows of 16-byte multiples), one or two stages of them: S = 720 ends in
+    a part key block, T = 333 in a part query step (rows and keys past the arrays read as zeros)."""
+    rng = rng_for("bias_tiles", case)
+    b, t, s, n = 2, 333, 720, 4
+    cases = {
+        "bf16_bias_causal": dict(bias=_bias(rng, (b, n, t, s), jnp.bfloat16), is_causal=True),
+        "fp16_bias_and_mask": dict(bias=_bias(rng, (1, n, t, s), jnp.float16), mask=_mask(rng, (b, 1, t, s))),
+        "fp32_bias_window": dict(bias=_bias(rng, (b, 1, t, s)), local_window_size=(100, 30)),
+        "mask_lengths_gqa": dict(mask=_mask(rng, (b, n, t, s)), key_value_seq_lengths=_lengths(rng, b, s),
+                                 is_causal=True),
+    }[case]
+    dtype = jnp.float16 if case.startswith("fp16") else jnp.bfloat16
+    bias = cases.pop("bias", None)
+    kv_heads = 1 if case == "mask_lengths_gqa" else 2
+    if bias is None:
+        check(dtype, b, t, s, n, kv_heads, 128, **cases)
+    else:
+        check_with_bias(dtype, b, t, s, n, kv_heads, 128, bias, **cases)
+
+
 def test_fully_masked_rows_give_zero_and_no_nan():
     rng = rng_for("bias_empty_rows")
     q, k, v = qkv(rng, jnp.bfloat16, 2, 130, 200, 2, 2, 64)

@@ -134,19 +134,6 @@ __device__ __forceinline__ void add_bias_pairs(const LogitBias<T>& b, float (&s)
   }
 }
 
-// x of query q and key k plus its bias, or -inf where the mask hides the key: the sm90 backward,
-// whose elements (S^T: two adjacent queries, rows apart in the arrays) load one at a time.
-template <typename T>
-__device__ __forceinline__ float with_bias(const LogitBias<T>& b, float x, int q, int k) {
-  const int64_t row = min(q, b.last_q), col = min(k, b.last_k);
-  if (b.bias != nullptr) {
-    const int64_t at = row * b.bias_row + col * b.bias_col;
-    x += (b.bias_fp32 ? __ldg(reinterpret_cast<const float*>(b.bias) + at)
-                      : static_cast<float>(__ldg(reinterpret_cast<const T*>(b.bias) + at))) * b.inv_unit;
-  }
-  return b.mask != nullptr && !__ldg(b.mask + row * b.mask_row + col * b.mask_col) ? -INFINITY : x;
-}
-
 struct BiasGrad {
   float* dbias;  // at (batch, head); nullptr: not wanted
   int64_t row, col;

@@ -6,6 +6,7 @@
 
 #include "common/bias.cuh"
 #include "launch/dispatch.h"
+#include "sm90/bwd_bias_tiles.cuh"
 
 namespace jax_flash {
 namespace {
@@ -75,8 +76,9 @@ cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
     if constexpr (bwd_sm90_supports(kHeadDim, kVariant)) {
-      // The sm90 backward neither caps a biased logit nor writes the bias's gradient.
-      const bool bias_ok = kVariant != Variant::kBias || (p.softcap == 0.f && p.dbias == nullptr);
+      // The sm90 backward does not cap a biased logit, and stages the bias in chunks (BiasTiles).
+      const bool bias_ok =
+          kVariant != Variant::kBias || (p.softcap == 0.f && sm90::BiasTiles::of(p, sizeof(T)).stages > 0);
       if (sm90 && bias_ok) return run_bwd_sm90<T, kHeadDim, kVariant>(p, stream);
     }
     if constexpr (bwd_supports_head_dim(kHeadDim)) {

@@ -104,6 +104,26 @@ cudaError_t make_bwd_tensor_maps(const BwdParams& p, sm90::BwdTensorMaps* maps) 
        }) {
     if (e != cudaSuccess) return e;
   }
+  if constexpr (Cfg::kBiasRegionBytes > 0) {
+    // Bias and mask as stored (dispatch.cu took only whole [T, S] rows): 1 where broadcast.
+    auto stored = [&](int64_t stride, int full) { return stride == 0 ? 1 : full; };
+    const Strides4 &b = p.bias_strides, &m = p.mask_strides;
+    const int bias_elem = p.bias_fp32 ? 4 : sizeof(typename Cfg::T);
+    if (p.bias != nullptr) {
+      if (cudaError_t e = make_tensor_map_bnts(&maps->bias, p.bias, bias_elem, stored(b.batch, p.batch),
+                                               stored(b.head, p.heads), p.seqlen_q, p.seqlen_k, Cfg::kBlockM);
+          e != cudaSuccess) {
+        return e;
+      }
+    }
+    if (p.mask != nullptr) {
+      if (cudaError_t e = make_tensor_map_bnts(&maps->mask, p.mask, 1, stored(m.batch, p.batch), stored(m.head, p.heads),
+                                               p.seqlen_q, p.seqlen_k, Cfg::kBlockM);
+          e != cudaSuccess) {
+        return e;
+      }
+    }
+  }
   return cudaSuccess;
 }
 
@@ -116,6 +136,9 @@ cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   sm90::BwdTensorMaps maps;
   if (cudaError_t e = make_bwd_tensor_maps<Cfg>(p, &maps); e != cudaSuccess) return e;
   auto kernel = sm90::bwd_kernel<Cfg, kVariant>;
+  if constexpr (kVariant == Variant::kBias) {
+    if (p.dbias != nullptr) kernel = sm90::bwd_kernel<Cfg, kVariant, true>;
+  }
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
@@ -160,7 +183,8 @@ cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
         return launch_bwd_sm90<Cfg, kVariant>(p, stream);
       }
     }
-    using Cfg = sm90::BwdConfig<T, kHeadDim>;
+    constexpr bool kBias = kVariant == Variant::kBias;
+    using Cfg = sm90::BwdConfig<T, kHeadDim, kHeadDim == 64 ? 128 : 64, kBias>;
     return launch_bwd_sm90<Cfg, kVariant>(p, stream);
   }
 }

@@ -13,4 +13,10 @@ namespace jax_flash {
 cudaError_t make_tensor_map_bthd(CUtensorMap* map, const void* data, int batch, int rows, int heads,
                                  int head_dim, int box_rows);  // 16-bit elements
 
+// A 4-d view [batch, heads, rows, keys] of a contiguous bias or mask [B or 1, N or 1, T, S]
+// (`batch` and `heads` as stored: 1 where broadcast), copied in boxes of `box_rows` rows x 128
+// bytes of keys with the 128-byte shared-memory swizzle. Past the end reads as zeros.
+cudaError_t make_tensor_map_bnts(CUtensorMap* map, const void* data, int elem_bytes, int batch, int heads, int rows,
+                                 int keys, int box_rows);
+
 }  // namespace jax_flash

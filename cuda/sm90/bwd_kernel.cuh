@@ -40,12 +40,15 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "sm90/bwd_bias_tiles.cuh"
 #include "sm90/bwd_stages.cuh"
 #include "sm90/dq_tiles.cuh"
 
 namespace jax_flash::sm90 {
 
-template <typename T_, int kHeadDim_, int kBlockM_ = kHeadDim_ == 64 ? 128 : 64>
+// kBias_: the kBias kernel's layout, with a region where the bias and mask tiles of the steps are
+// staged (bwd_bias_tiles.cuh), in place of dQ's second buffers.
+template <typename T_, int kHeadDim_, int kBlockM_ = kHeadDim_ == 64 ? 128 : 64, bool kBias_ = false>
 struct BwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -84,14 +87,20 @@ struct BwdConfig {
   static constexpr int kDsBuffers = 2;
   // A consumer's dQ part: one fp32 tile of the accumulator (sm90/dq_tiles.cuh).
   static constexpr int kDqBytes = Dq::kFloats * 4;
-  static constexpr int kDqBuffers = kBlockM == 64 ? 2 : 1;  // per consumer, as shared memory allows
+  static constexpr int kDqBuffers = kBlockM == 64 && !kBias_ ? 2 : 1;  // per consumer, as shared memory allows
+  static_assert(!kBias_ || (kHeadDim == 128 && kBlockM == BiasTiles::kBlockM && kBlockN == BiasTiles::kBlockN),
+                "the bias tiles fit at H = 128 only");
+  static constexpr int kBiasRegionBytes = kBias_ ? BiasTiles::kRegionBytes : 0;
   // Offsets from the 1024-byte aligned base (the swizzle repeats every 1024 bytes).
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDo = kQ + kStages * kQBytes;
   static constexpr int kDs = kDo + kStages * kQBytes;
   static constexpr int kDq = kDs + kDsBuffers * kDsBytes;
   static constexpr int kLse = kDq + kConsumers * kDqBuffers * kDqBytes, kDelta = kLse + kStages * kStatBytes;
-  static constexpr int kBarriers = kDelta + kStages * kStatBytes;
-  static constexpr int kSmemBytes = kBarriers + 8 * (1 + 4 * kStages + 2 * kConsumers * kDqBuffers) + 1024;
+  static constexpr int kBiasTiles = kDelta + kStages * kStatBytes;
+  static_assert(!kBias_ || kBiasTiles % 1024 == 0, "the bias tiles' boxes are swizzled in 1024-byte units");
+  static constexpr int kBarriers = kBiasTiles + kBiasRegionBytes;
+  static constexpr int kSmemBytes =
+      kBarriers + 8 * (1 + 4 * kStages + 2 * kConsumers * kDqBuffers + (kBias_ ? 4 : 0)) + 1024;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= ptx::launch_registers(kThreads),
                 "registers at launch");
@@ -99,7 +108,8 @@ struct BwdConfig {
 };
 
 // kVariant (params.h): which of the masks (mask.cuh) and the soft cap (logits.cuh) are read.
-template <typename Cfg, Variant kVariant>
+// kBiasGrad (kBias only): dbias gets d logit; a kernel of its own, for the registers its adds take.
+template <typename Cfg, Variant kVariant, bool kBiasGrad = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     bwd_kernel(const __grid_constant__ BwdTensorMaps maps, const BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -109,7 +119,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
-  constexpr bool kBias = kVariant == Variant::kBias;  // without a cap or dbias (dispatch)
+  constexpr bool kBias = kVariant == Variant::kBias;  // without a cap (dispatch)
+  static_assert(kBias || !kBiasGrad, "dbias needs a bias");
   // Key blocks with the longest walks start first (BwdCta): 3-4% on causal rows of 4k-8k tokens
   // (9% with a soft cap), level elsewhere (docs/PERF.md, B19).
   // Not where the remap's registers spill: at 80-query steps (which run no band, so that every
@@ -147,6 +158,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto dq_empty = [&](int consumer, int buffer) {
     return dq_barriers + 8 * (kDqSlots + consumer * Cfg::kDqBuffers + buffer);
   };
+  // kBias: then the bias tiles' stage barriers, two "full" and two "empty".
+  const uint32_t bias_full = dq_barriers + 8 * 2 * kDqSlots, bias_empty = bias_full + 16;
   auto sDq = [&](int consumer, int buffer) {
     return base_addr + Cfg::kDq + (consumer * Cfg::kDqBuffers + buffer) * Cfg::kDqBytes;
   };
@@ -158,6 +171,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         ptx::mbarrier_init(dq_full(c, b), 128);
         ptx::mbarrier_init(dq_empty(c, b), 1);
       }
+    if constexpr (kBias) {
+      for (int stage = 0; stage < 2; ++stage) {
+        ptx::mbarrier_init(bias_full + 8 * stage, 1);
+        ptx::mbarrier_init(bias_empty + 8 * stage, kConsumerThreads);
+      }
+    }
     ptx::fence_barrier_init();
   }
   __syncthreads();
@@ -174,11 +193,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   const int warp_group = threadIdx.x / 128;
   if (warp_group == 0) {
-    // Producer: one thread copies the stages (bwd_stages.cuh), another adds the dQ parts.
+    // Producer: one thread copies the stages (bwd_stages.cuh), another adds the dQ parts, and with
+    // a bias a third copies its tiles (bwd_bias_tiles.cuh).
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     const BwdWalk walk = make_walk();
     if (threadIdx.x == 0 && walk.steps > 0) {
       produce_bwd_stages<Cfg>(maps, p, walk, barriers, base_addr, batch, kv_head, k_first);
+    } else if (kBias && threadIdx.x == 64 && walk.steps > 0) {
+      load_bias_tiles<T>(&maps.bias, &maps.mask, p, walk, base_addr + Cfg::kBiasTiles, bias_full, bias_empty, batch,
+                         kv_head, k_first);
     } else if (threadIdx.x == 32) {
       // The dQ adds, in the consumers' order; rows past seqlen_q go to the accumulator's padding.
       // In deterministic mode each waits for the turn of this key block (common/bwd_walk.cuh) and
@@ -349,6 +372,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       }
     }
+    if constexpr (kBias) {
+      const auto tiles = BiasTiles::of(p, sizeof(T));
+      const uint32_t bias_stage = tiles.stage_of(s);
+      ptx::mbarrier_wait(bias_full + 8 * bias_stage, tiles.use_of(s) & 1);
+      const char* tile = base + Cfg::kBiasTiles + bias_stage * (tiles.bias_bytes + tiles.mask_bytes);
+      add_tile_bias<T>(st, tile, tiles.bias_bytes, p.bias_fp32, tiles.mask_bytes != 0,
+                                key0 - k_first + warp * 16 + lane / 4, accum_col(0), 1.f / logits.unit);
+      ptx::mbarrier_arrive(bias_empty + 8 * bias_stage);
+    }
     if (!whole) {
       const int k0 = key0 + warp * 16 + lane / 4;  // this thread's keys: k0 and k0 + 8
       const Range seeing[2] = {band.queries_seeing(k0), band.queries_seeing(k0 + 8)};
@@ -362,15 +394,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int n = 0; n < kBlockM / 8; ++n) {
       const float2 l = kEarlyLse ? lse[n] : stats_of_tile(sLse(stage), n);
 #pragma unroll
-      for (int i = 4 * n; i < 4 * n + 4; ++i) {
-        if constexpr (kBias) {
-          // This thread's keys are k0 and k0 + 8 (rows of S^T).
-          const int k0 = key0 + warp * 16 + lane / 4;
-          st[i] = with_bias(LogitBias<T>::from(p, batch, step.head, logits.unit), st[i], q_first + accum_col(i),
-                            k0 + 8 * ((i % 4) / 2));
-        }
-        st[i] = ptx::exp2(st[i] * scale_log2 - (i % 2 ? l.y : l.x));
-      }
+      for (int i = 4 * n; i < 4 * n + 4; ++i) st[i] = ptx::exp2(st[i] * scale_log2 - (i % 2 ? l.y : l.x));
     }
     // As A operands of k16 steps over the step's queries: the accumulator and A layouts agree.
     uint32_t pa[kBlockM / 16][4];
@@ -397,6 +421,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::wgmma_wait<kDvAfterDs ? 0 : 1>();
     ptx::fence_registers(dpt);
     if constexpr (kThreadIndexAhead && Cfg::kDqTransposed) ds_offsets(tid_early / 32, tid_early % 32);
+    // With kBiasGrad, d logit = P^T (dP^T - delta) goes into dbias (masked elements, P = 0, add
+    // nothing) from this thread's first element's address and constant multiples of the strides:
+    // addresses computed per element spilled more.
+    const BiasGrad dbias = kBiasGrad ? BiasGrad::from(p, batch, step.head) : BiasGrad{};
+    const int dbias_key = key0 + warp * 16 + lane / 4, dbias_query = q_first + (lane % 4) * 2;
     uint32_t dsa[kBlockM / 16][4];
     // dsa[kk][m] is the 8 x 8 tile of keys (m % 2) * 8 of this warp's 16 and queries
     // (2 kk + m / 2) * 8: to shared memory for dQ by stmatrix, lane 8 m + r giving the address of
@@ -409,6 +438,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const int i = 8 * kk + 2 * j;  // elements i, i + 1: one row, two adjacent queries
         float2 ds = {dpt[i], dpt[i + 1]};
         if constexpr (!kSoftcap) ds = {ds.x - delta[i / 4].x, ds.y - delta[i / 4].y};
+        if constexpr (kBiasGrad) {
+          // Elements i, i + 1: key dbias_key + 8 r, queries q and q + 1.
+          const int r = (i % 4) / 2, q = dbias_query + (i / 4) * 8;
+          const float2 prob = ptx::unpack2<T>(pa[kk][j]);
+          float* at = dbias.dbias + dbias_query * dbias.row + dbias_key * dbias.col;
+          at += (i / 4) * 8 * dbias.row + r * 8 * dbias.col;
+          if (dbias_key + 8 * r < p.seqlen_k) {
+            if (prob.x != 0.f && q < p.seqlen_q) atomicAdd(at, prob.x * ds.x);
+            if (prob.y != 0.f && q + 1 < p.seqlen_q) atomicAdd(at + dbias.row, prob.y * ds.y);
+          }
+        }
         if constexpr (std::is_same_v<T, __nv_bfloat16>) {
           // The product of the packed pairs: three instructions a pair fewer (no unpacking of P,
           // one multiply instead of two); the difference is rounded to bf16 first, one rounding more.
