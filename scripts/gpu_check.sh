@@ -28,7 +28,7 @@ step=${1:-all}
 PY=${PYTHON:-python3}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
-  --format=csv > "$OUT/build.log" 2>&1
+  --format=csv > "$OUT/gpu.txt" 2>&1
 # FlashAttention-3's JAX binding, carried as a wheel in .whl/, becomes a benchmark column.
 if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && \
@@ -39,7 +39,7 @@ if [[ $step == build || $step == all ]]; then
   start=$(date +%s)
   # Only sm_90a here: the sm80 kernels compiled for it are the code the H100 runs anyway.
   JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_ARCHS=${JAX_FLASH_CUDA_ARCHS:-90a} JAX_FLASH_PTXAS_VERBOSE=1 \
-    $PY -m pip install --no-build-isolation --no-deps -v -e . >> "$OUT/build.log" 2>&1 \
+    $PY -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 \
     || { tail -50 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
   grep -E "Compiling entry|registers|spill|C75[0-9][0-9]" "$OUT/build.log" | sed 's/^ *//' > "$OUT/ptxas.txt"
   echo "build: $(( $(date +%s) - start )) s; kernels with spills:"

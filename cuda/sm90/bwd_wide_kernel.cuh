@@ -54,6 +54,7 @@ struct BwdWideConfig {
   static constexpr int kP = kDo + kStages * kQBytes, kDs = kP + 2 * kTileBytes;
   static constexpr int kLse = kDs + 2 * kTileBytes, kDelta = kLse + kStages * kStatBytes;
   static constexpr int kBarriers = kDelta + kStages * kStatBytes;
+  static constexpr int kBiasRegionBytes = 0;  // no bias tiles (make_bwd_tensor_maps)
   static constexpr int kSmemBytes = kBarriers + 8 * (1 + 4 * kStages) + 1024;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= ptx::launch_registers(kThreads),
