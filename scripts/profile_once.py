@@ -23,7 +23,8 @@ parser.add_argument("--masks", action="store_true",
 parser.add_argument("--softcap", type=float, default=None, help="logit soft cap (the softcap kernels)")
 parser.add_argument("--window", type=int, default=None, help="local window: this many keys to the left")
 parser.add_argument("--bias", action="store_true",
-                    help="a [1, N, T, S] bias, differentiated (the bias kernels); with --masks also a [B, 1, T, S] boolean mask")
+                    help="a [1, N, T, S] bias, differentiated (the bias kernels); with --masks also a [B, 1, T, S] "
+                    "boolean mask")
 parser.add_argument("--peer", choices=["fa3_jax"], default=None,
                     help="run FlashAttention-3's JAX binding instead (plain causal or not), to profile the peer")
 args = parser.parse_args()

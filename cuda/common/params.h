@@ -18,8 +18,8 @@ struct MaskChunk {
 // The compiled variants of every kernel. kPlain reads no masks (the dispatch checked there are
 // none), kMasked reads sequence lengths and segment ids, kSoftcap is kMasked plus the soft cap.
 // kBias reads everything: kMasked's masks, the soft cap when one is set, and an additive bias and
-// boolean mask over [B, N, T, S] (the sm90 forward in the pairs layout only, bias.cuh; the sm80
-// kernels always).
+// boolean mask over [B, N, T, S] (the sm90 forward in the pairs layout only, bias.cuh; the sm90
+// backward at d = 128 in layouts TMA copies, sm90/bwd_bias_tiles.cuh; the sm80 kernels always).
 // Separate instantiations keep the common calls' kernels free of the others' registers.
 enum class Variant { kPlain, kMasked, kSoftcap, kBias };
 

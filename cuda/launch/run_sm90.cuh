@@ -117,8 +117,8 @@ cudaError_t make_bwd_tensor_maps(const BwdParams& p, sm90::BwdTensorMaps* maps) 
       }
     }
     if (p.mask != nullptr) {
-      if (cudaError_t e = make_tensor_map_bnts(&maps->mask, p.mask, 1, stored(m.batch, p.batch), stored(m.head, p.heads),
-                                               p.seqlen_q, p.seqlen_k, Cfg::kBlockM);
+      if (cudaError_t e = make_tensor_map_bnts(&maps->mask, p.mask, 1, stored(m.batch, p.batch),
+                                               stored(m.head, p.heads), p.seqlen_q, p.seqlen_k, Cfg::kBlockM);
           e != cudaSuccess) {
         return e;
       }
