@@ -48,6 +48,13 @@ if [[ $step == build || $step == all ]]; then
   grep -E "C751[0-9]\) Potential Performance Loss" "$OUT/ptxas.txt" | grep -o "function '[^']*'" | sort -u || true
 fi
 
+# Without the extension the tests skip and the benchmark times the xla path: say so and stop (a
+# machine that went cold between calls has lost the build).
+if [[ $step != build ]] && ! $PY -c "import jax_flash._cuda" 2> /dev/null; then
+  echo "NO CUDA EXTENSION: run the build step first"
+  exit 1
+fi
+
 if [[ $step == test || $step == all ]]; then
   if [[ -n ${XDIST:-} ]]; then
     # Workers allocate GPU memory as they need it, not 75% of it each.
