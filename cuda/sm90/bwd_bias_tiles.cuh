@@ -1,14 +1,16 @@
 // The bias and boolean mask of the sm90 backward (kBias), staged in shared memory a step's tile
-// at a time: [kBlockM queries x kBlockN keys] of each, copied by a producer warp with TMA,
+// at a time: [kBlockM queries x kBlockN keys] of each, copied by a producer thread with TMA,
 // read by the consumers with shared loads. Read from global memory by the consumers instead, one
 // element at a time (S^T's elements pair two queries, rows apart), each step waited for its loads
 // in turn and the biased backward took 5x the plain one. (A producer warp's cp.async copies
 // spilled: the producer has 24 registers.)
 #pragma once
 
-#include <cstdint>
-
 #include <cuda.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
 
 #include "common/bwd_walk.cuh"
 #include "common/params.h"
@@ -46,6 +48,7 @@ struct BiasTiles {
   }
   __device__ uint32_t stage_of(int s) const { return stages == 1 ? 0 : s % 2; }
   __device__ uint32_t use_of(int s) const { return stages == 1 ? s : s / 2; }
+  __device__ uint32_t tile_bytes() const { return bias_bytes + mask_bytes; }
 };
 
 // Byte offset of element (row r, key column k) in a tile: 128-byte rows of 64-row boxes, their
@@ -56,7 +59,7 @@ __device__ __forceinline__ uint32_t tile_offset(int r, int k, int elem_bytes) {
   return (byte / 128) * BiasTiles::kBoxBytes + r * 128 + (((in_row >> 4) ^ (r % 8)) << 4) + (in_row & 15);
 }
 
-// A producer warp's copies (one thread's) of the walk's tiles, in the consumers' order: the n-th
+// A producer thread's copies of the walk's tiles, in the consumers' order: the n-th
 // use of a stage waits for the consumers' release of use n - 1; `full` and `empty` are the
 // stages' barriers (stage i at + 8 i). Rows and keys past the arrays read as zeros (the band
 // masks them). Not the thread that copies Q and dO: in its 24 registers these spilled.
@@ -70,8 +73,8 @@ __device__ void load_bias_tiles(const CUtensorMap* bias_map, const CUtensorMap* 
   for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
     const uint32_t stage = tiles.stage_of(s), use = tiles.use_of(s);
     if (use > 0) ptx::mbarrier_wait(empty + 8 * stage, (use - 1) & 1);
-    ptx::mbarrier_arrive_expect_tx(full + 8 * stage, tiles.bias_bytes + tiles.mask_bytes);
-    const uint32_t tile = region + stage * (tiles.bias_bytes + tiles.mask_bytes);
+    ptx::mbarrier_arrive_expect_tx(full + 8 * stage, tiles.tile_bytes());
+    const uint32_t tile = region + stage * tiles.tile_bytes();
     const int q_first = step.m_block * BiasTiles::kBlockM;
     if (p.bias != nullptr) {
       const int b = p.bias_strides.batch ? batch : 0, h = p.bias_strides.head ? step.head : 0;

@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const auto tiles = BiasTiles::of(p, sizeof(T));
       const uint32_t bias_stage = tiles.stage_of(s);
       ptx::mbarrier_wait(bias_full + 8 * bias_stage, tiles.use_of(s) & 1);
-      const char* tile = base + Cfg::kBiasTiles + bias_stage * (tiles.bias_bytes + tiles.mask_bytes);
+      const char* tile = base + Cfg::kBiasTiles + bias_stage * tiles.tile_bytes();
       add_tile_bias<T>(st, tile, tiles.bias_bytes, p.bias_fp32, tiles.mask_bytes != 0,
                        key0 - k_first + warp * 16 + lane / 4, accum_col(0), 1.f / logits.unit);
       ptx::mbarrier_arrive(bias_empty + 8 * bias_stage);
