@@ -305,9 +305,12 @@ def main(argv=None) -> list[dict]:
     if args.masks:
         from jax_flash import bench_masks
 
-        rows = bench_masks.run()
-        print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, d = 128")
-        print(bench_masks.table(rows))
+        rows = []
+        for head_dim in args.head_dims or (128,):
+            these = bench_masks.run(head_dim)
+            print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, d = {head_dim}")
+            print(bench_masks.table(these))
+            rows += these
         return rows
     rows = run(args)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, TFLOP/s")

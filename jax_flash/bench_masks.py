@@ -1,7 +1,7 @@
 """Cost of masks and of the soft cap: `python -m jax_flash.bench --masks`.
 
-One long row (16384 tokens, d = 128, 16 heads, bf16 on a GPU; 1024 tokens on a CPU) under each
-mask, timed forward and forward + backward, as a fraction of the causal time. Work should follow
+One long row (16384 tokens, 16 heads, d = 128 or each of `--head-dims`, bf16 on a GPU; 1024 tokens
+on a CPU) under each mask, timed forward and forward + backward, as a fraction of the causal time. Work should follow
 the unmasked area: a 512-token window is 1/16 of the causal area at 16k, eight packed causal
 documents 1/8, half-length padded keys about 1/4. The soft cap adds a tanh per logit to the
 causal case, a [T, S] bias or boolean mask (shared by the heads) a load per logit, and a
@@ -59,13 +59,13 @@ def _ours(kw: dict):
 PEER_CASES = ("causal", "window 512 (causal)")
 
 
-def run() -> list[dict]:
+def run(head_dim: int = 128) -> list[dict]:
     """One row per case: median forward and forward + backward seconds, and the rounds' fractions
     of causal (`fwd_rounds`, `fwd_bwd_rounds`); a peer's rows ("peer: case") are fractions of the
     peer's own causal row."""
     on_gpu = jax.default_backend() == "gpu"
     seqlen, heads, dtype = (16384, 16, jnp.bfloat16) if on_gpu else (1024, 2, jnp.float32)
-    shape = Shape(head_dim=128, seqlen=seqlen, causal=True, batch=1, heads=heads)
+    shape = Shape(head_dim=head_dim, seqlen=seqlen, causal=True, batch=1, heads=heads)
     ours = cases(seqlen, dtype)
     attns = {name: _ours(kw) for name, kw in ours.items()}
     causal_of = dict.fromkeys(ours, "causal")  # case -> the case its fractions divide by
@@ -81,7 +81,7 @@ def run() -> list[dict]:
         base = causal_of[name]
         if None in fwd[name] + fwd_bwd[name] + fwd[base] + fwd_bwd[base]:
             continue  # failed on these inputs (bench.measure): a gap, as in the main table
-        rows.append({"case": name, "seqlen": seqlen,
+        rows.append({"case": name, "seqlen": seqlen, "head_dim": head_dim,
                      "fwd": statistics.median(fwd[name]), "fwd_bwd": statistics.median(fwd_bwd[name]),
                      "fwd_rounds": [a / b for a, b in zip(fwd[name], fwd[base])],
                      "fwd_bwd_rounds": [a / b for a, b in zip(fwd_bwd[name], fwd_bwd[base])]})
