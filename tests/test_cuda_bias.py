@@ -86,10 +86,10 @@ def test_bias_and_mask_with_other_masks(h, kw):
 
 
 @pytest.mark.parametrize("case", ["bf16_bias_causal", "fp16_bias_and_mask", "fp32_bias_window", "mask_lengths_gqa"])
-def test_bias_tiles_of_the_hopper_backward(case):
-    """Layouts whose tiles the sm90 backward stages with TMA (sm90/bwd_bias_tiles.cuh: d = 128, unit
-    key strides, whole [T, S] rows of 16-byte multiples), one or two stages of them: S = 720 ends in
-    a part key block, T = 333 in a part query step (rows and keys past the arrays read as zeros)."""
+def test_bias_tiles_of_the_hopper_kernels(case):
+    """Layouts whose tiles the sm90 forward and backward stage with TMA (sm90/bias_tiles.cuh: d = 128,
+    unit key strides, whole [T, S] rows of 16-byte multiples), one or two stages of them: S = 720 ends
+    in a part key block, T = 333 in a part query tile (rows and keys past the arrays read as zeros)."""
     rng = rng_for("bias_tiles", case)
     b, t, s, n = 2, 333, 720, 4
     cases = {

@@ -17,6 +17,27 @@
 
 namespace jax_flash {
 
+// The tensor maps of the bias and mask tiles (sm90/bias_tiles.cuh), for the arrays the call has,
+// in boxes of `box_rows` rows; the launchers took only whole [T, S] rows, stored [B or 1, N or 1,
+// T, S].
+inline cudaError_t make_bias_tensor_maps(const FwdParams& p, int elem_bytes, int box_rows, CUtensorMap* bias,
+                                         CUtensorMap* mask) {
+  auto stored = [&](int64_t stride, int full) { return stride == 0 ? 1 : full; };
+  const Strides4 &b = p.bias_strides, &m = p.mask_strides;
+  if (p.bias != nullptr) {
+    if (cudaError_t e = make_tensor_map_bnts(bias, p.bias, p.bias_fp32 ? 4 : elem_bytes, stored(b.batch, p.batch),
+                                             stored(b.head, p.heads), p.seqlen_q, p.seqlen_k, box_rows);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  if (p.mask != nullptr) {
+    return make_tensor_map_bnts(mask, p.mask, 1, stored(m.batch, p.batch), stored(m.head, p.heads), p.seqlen_q,
+                                p.seqlen_k, box_rows);
+  }
+  return cudaSuccess;
+}
+
 template <typename Cfg, Variant kVariant>
 cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   constexpr int kHeadDim = Cfg::kHeadDim;
@@ -35,6 +56,12 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   }
   if constexpr (Cfg::kStagedStore) {
     if (cudaError_t e = make_tensor_map_bthd(&maps.o, p.o, p.batch, p.seqlen_q, p.heads, kHeadDim, 64);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  if constexpr (Cfg::kBiasRegionBytes > 0) {
+    if (cudaError_t e = make_bias_tensor_maps(p, sizeof(typename Cfg::T), Cfg::kBlockM, &maps.bias, &maps.mask);
         e != cudaSuccess) {
       return e;
     }
@@ -79,7 +106,13 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // H9-H11), also with lengths and the soft cap. At H = 128 a window bounded on the left, or
   // segments, would waste more of 176 keys at their edges (window 512 and 2048-token documents lost
   // 14%); at H = 256 the blocks are 80 keys against 64, and they lost nothing.
-  // The bias variant keeps the narrow blocks: with the wide ones its loads' registers spilled.
+  // The bias variant keeps the narrow blocks: with the wide ones its loads' registers spilled. At
+  // H = 128 it stages its tiles by TMA where they copy by rows (FwdBiasTiles).
+  if constexpr (kHeadDim == 128 && kVariant == Variant::kBias) {
+    if (sm90::FwdBiasTiles::of(p, sizeof(T)).stages > 0) {
+      return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 2, false, true>, kVariant>(p, stream);
+    }
+  }
   if constexpr ((kHeadDim == 128 || kHeadDim == 256) && kVariant != Variant::kBias) {
     const bool edges = p.window_left >= 0 || p.q_segments != nullptr;
     if (kHeadDim == 256 || !edges) {
@@ -105,24 +138,7 @@ cudaError_t make_bwd_tensor_maps(const BwdParams& p, sm90::BwdTensorMaps* maps) 
     if (e != cudaSuccess) return e;
   }
   if constexpr (Cfg::kBiasRegionBytes > 0) {
-    // Bias and mask as stored (dispatch.cu took only whole [T, S] rows): 1 where broadcast.
-    auto stored = [&](int64_t stride, int full) { return stride == 0 ? 1 : full; };
-    const Strides4 &b = p.bias_strides, &m = p.mask_strides;
-    const int bias_elem = p.bias_fp32 ? 4 : sizeof(typename Cfg::T);
-    if (p.bias != nullptr) {
-      if (cudaError_t e = make_tensor_map_bnts(&maps->bias, p.bias, bias_elem, stored(b.batch, p.batch),
-                                               stored(b.head, p.heads), p.seqlen_q, p.seqlen_k, Cfg::kBlockM);
-          e != cudaSuccess) {
-        return e;
-      }
-    }
-    if (p.mask != nullptr) {
-      if (cudaError_t e = make_tensor_map_bnts(&maps->mask, p.mask, 1, stored(m.batch, p.batch),
-                                               stored(m.head, p.heads), p.seqlen_q, p.seqlen_k, Cfg::kBlockM);
-          e != cudaSuccess) {
-        return e;
-      }
-    }
+    return make_bias_tensor_maps(p, sizeof(typename Cfg::T), Cfg::kBlockM, &maps->bias, &maps->mask);
   }
   return cudaSuccess;
 }

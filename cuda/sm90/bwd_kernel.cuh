@@ -88,9 +88,10 @@ struct BwdConfig {
   // A consumer's dQ part: one fp32 tile of the accumulator (sm90/dq_tiles.cuh).
   static constexpr int kDqBytes = Dq::kFloats * 4;
   static constexpr int kDqBuffers = kBlockM == 64 && !kBias_ ? 2 : 1;  // per consumer, as shared memory allows
-  static_assert(!kBias_ || (kHeadDim == 128 && kBlockM == BiasTiles::kBlockM && kBlockN == BiasTiles::kBlockN),
+  static_assert(!kBias_ || (kHeadDim == 128 && kBlockM == BwdBiasTiles::kBlockM &&
+                            kBlockN == BwdBiasTiles::kBlockN),
                 "the bias tiles fit at H = 128 only");
-  static constexpr int kBiasRegionBytes = kBias_ ? BiasTiles::kRegionBytes : 0;
+  static constexpr int kBiasRegionBytes = kBias_ ? BwdBiasTiles::kRegionBytes : 0;
   // Offsets from the 1024-byte aligned base (the swizzle repeats every 1024 bytes).
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDo = kQ + kStages * kQBytes;
   static constexpr int kDs = kDo + kStages * kQBytes;
@@ -373,7 +374,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
     }
     if constexpr (kBias) {
-      const auto tiles = BiasTiles::of(p, sizeof(T));
+      const auto tiles = BwdBiasTiles::of(p, sizeof(T));
       const uint32_t bias_stage = tiles.stage_of(s);
       ptx::mbarrier_wait(bias_full + 8 * bias_stage, tiles.use_of(s) & 1);
       const char* tile = base + Cfg::kBiasTiles + bias_stage * tiles.tile_bytes();

@@ -37,6 +37,7 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "sm90/fwd_bias_tiles.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -46,7 +47,9 @@ namespace jax_flash::sm90 {
 // kWideBlocks: 176-key blocks at H = 128, 80 at H = 256 (FlashAttention-3's non-causal tiles),
 // which spread a block's fixed cost (waits, turns, row maxima) over more keys; two stages then
 // fill the shared memory. The launcher says where they pay (run_sm90.cuh).
-template <typename T_, int kHeadDim_, int kConsumers_ = 2, bool kWideBlocks = false>
+// kBiasTiles (kBias at H = 128): the bias and mask staged by TMA a key block at a time
+// (fwd_bias_tiles.cuh), in a region that takes the third K/V stage's place.
+template <typename T_, int kHeadDim_, int kConsumers_ = 2, bool kWideBlocks = false, bool kBiasTiles = false>
 struct FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -59,7 +62,9 @@ struct FwdConfig {
   static constexpr int kBlockN = kHeadDim <= 128 ? (kWideBlocks ? 176 : 128) : (kWideBlocks ? 80 : 64);
   // K/V stages: three at H = 128 (225 KB, +2-10% over two); H = 256 fits two; at H = 64 four
   // measured no faster non-causal and 13% slower causal at 16k (docs/PERF.md).
-  static constexpr int kStages = kHeadDim == 128 && !kWideBlocks ? 3 : 2;
+  static constexpr int kStages = kHeadDim == 128 && !kWideBlocks && !kBiasTiles ? 3 : 2;
+  static_assert(!kBiasTiles || (kHeadDim == 128 && !kWideBlocks && kConsumers == 2), "the bias tiles' shape");
+  static constexpr int kBiasRegionBytes = kBiasTiles ? FwdBiasTiles::kRegionBytes : 0;
   // O staged in the last key block's K stage (held until the store has read it) and stored by
   // TMA, with three stages only: with two, the held stage delayed the next tile's second block
   // (d = 128 causal 16k and non-causal 4k 2% slower); with three, windows and packed documents
@@ -72,12 +77,13 @@ struct FwdConfig {
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V tile
-  // Barriers: q_full, q_empty, four per stage, last_s_landed (the staged O store); then, 16-byte
-  // aligned, three slots of 48 bytes holding a tile's work (FwdWork::store).
-  static constexpr int kSlotsOffset = (8 * (3 + 4 * kStages) + 15) / 16 * 16;
+  // Barriers: q_full, q_empty, four per stage, last_s_landed (the staged O store), with bias tiles
+  // two "full" and two "empty"; then, 16-byte aligned, three slots of 48 bytes holding a tile's
+  // work (FwdWork::store).
+  static constexpr int kSlotsOffset = (8 * (3 + 4 * kStages + (kBiasTiles ? 4 : 0)) + 15) / 16 * 16;
   static constexpr int kBarrierBytes = kSlotsOffset + 3 * 48;
   // + 1024: the dynamic shared memory is aligned up to the 1024 bytes the swizzle repeats over.
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kBiasRegionBytes + kBarrierBytes + 1024;
   // O is computed in chunks of at most 128 columns (one wgmma n128 each; n64 at H = 192).
   static constexpr int kOChunkCols = kHeadDim < 128 ? kHeadDim : kHeadDim % 128 == 0 ? 128 : 64;
   static constexpr int kOChunks = kHeadDim / kOChunkCols;
@@ -92,6 +98,7 @@ struct FwdConfig {
 // 64 columns and a whole tile's rows.
 struct FwdTensorMaps {
   CUtensorMap q, k, v, o;  // o (boxes of a consumer's 64 rows): made only where O is staged
+  CUtensorMap bias, mask;  // made only with kBiasTiles
 };
 
 // The order of the tiles: the query blocks of one (batch, head) consecutive, the last first (the
@@ -183,7 +190,8 @@ struct FwdWork {
 };
 
 // kVariant (params.h): which of the masks (mask.cuh), the soft cap (logits.cuh) and the bias and
-// boolean mask (bias.cuh; the pairs layout only, launch/dispatch.cu) are read.
+// boolean mask (bias.cuh; the pairs layout only, launch/dispatch.cu; staged tiles with
+// Cfg::kBiasRegionBytes, fwd_bias_tiles.cuh) are read.
 // p.tile_scratch (FwdScratch): zeroed before the first pass; CTA c starts with tile c, and claims
 // each next one as gridDim.x + (an increment of its pass's counter) once it has issued the
 // current tile's last copies.
@@ -210,13 +218,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const uint32_t sQ = (ptx::smem_addr(smem) + 1023) & ~1023u;
   auto sK = [&](int stage) { return sQ + Cfg::kQBytes + stage * Cfg::kKVBytes; };
   auto sV = [&](int stage) { return sQ + Cfg::kQBytes + (kStages + stage) * Cfg::kKVBytes; };
-  const uint32_t bars = sQ + Cfg::kQBytes + 2 * kStages * Cfg::kKVBytes;
+  const uint32_t bias_region = sQ + Cfg::kQBytes + 2 * kStages * Cfg::kKVBytes;  // 1024-byte aligned
+  const uint32_t bars = bias_region + Cfg::kBiasRegionBytes;
   const uint32_t q_full = bars, q_empty = bars + 8;
   auto k_full = [&](int stage) { return bars + 8 * (2 + stage); };
   auto v_full = [&](int stage) { return bars + 8 * (2 + kStages + stage); };
   auto k_empty = [&](int stage) { return bars + 8 * (2 + 2 * kStages + stage); };
   auto v_empty = [&](int stage) { return bars + 8 * (2 + 3 * kStages + stage); };
   const uint32_t last_s_landed = bars + 8 * (2 + 4 * kStages);
+  constexpr bool kBiasTiles = Cfg::kBiasRegionBytes > 0;
+  const uint32_t bias_full = bars + 8 * (3 + 4 * kStages), bias_empty = bias_full + 16;  // kBiasTiles
   // The producer writes the work of the n-th tile whose Q it loads (or that no tile is left) into
   // tile_slot(n) before it arrives on q_full; the consumers read it there at the tile's start and
   // in its epilogue. Three slots: the producer writes tile n's as soon as it has derived it, once
@@ -238,6 +249,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::mbarrier_init(v_empty(s), kConsumerThreads);
     }
     ptx::mbarrier_init(last_s_landed, kConsumerThreads);
+    if constexpr (kBiasTiles) {
+      for (int stage = 0; stage < 2; ++stage) {
+        ptx::mbarrier_init(bias_full + 8 * stage, 1);
+        ptx::mbarrier_init(bias_empty + 8 * stage, kConsumerThreads);
+      }
+    }
     ptx::fence_barrier_init();
   }
   __syncthreads();
@@ -264,6 +281,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     auto load_v = [&](int it, int kv_head, int key_first, int batch) {
       const int stage = it % kStages;
       load_kv(v_full(stage), v_empty(stage), sV(stage), &maps.v, it, kv_head, key_first, batch);
+    };
+    // With kBiasTiles, key block `it`'s tiles of the bias and mask, after its V.
+    auto load_bias = [&](int it, const Work& w, int key_first) {
+      if constexpr (kBiasTiles) {
+        FwdBiasTiles::of(p, sizeof(T)).load(&maps.bias, &maps.mask, p, it, bias_region, bias_full, bias_empty, w.batch,
+                                            w.head, w.q_first, key_first);
+      }
     };
     const int tiles = Work::tile_count(p);
     int tile = blockIdx.x;
@@ -293,9 +317,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           ptx::tma_load_4d(sQ + panel * kBlockM * 128, &maps.q, q_full, panel * 64, w.head, w.q_first, w.batch);
         }
         load_v(it, kv_head, w.key_first(0), w.batch);
+        load_bias(it, w, w.key_first(0));
         for (int j = 1; j < w.blocks; ++j) {
           load_k(it + j, kv_head, w.key_first(j), w.batch);
           load_v(it + j, kv_head, w.key_first(j), w.batch);
+          load_bias(it + j, w, w.key_first(j));
         }
       }
       it += w.blocks;
@@ -425,7 +451,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
         for (int i = 0; i < kSRegs; ++i) s[i] = logits.value(s[i]);
       }
-      if constexpr (kBias) {
+      if constexpr (kBiasTiles) {
+        const auto tiles = FwdBiasTiles::of(p, sizeof(T));
+        const uint32_t stage = tiles.stage_of(it + j);
+        ptx::mbarrier_wait(bias_full + 8 * stage, tiles.use_of(it + j) & 1);
+        const char* bias_tile = smem + (bias_region - ptx::smem_addr(smem)) + stage * tiles.tile_bytes();
+        add_tile_bias_rows<T>(s, bias_tile, tiles.bias_bytes, p.bias_fp32, tiles.mask_bytes != 0, row_in_tile(0), lane,
+                              1.f / logits.unit);
+        ptx::mbarrier_arrive(bias_empty + 8 * stage);
+      } else if constexpr (kBias) {
         // Made each block from the parameters (constant memory) rather than kept across the
         // tile: its pointers and strides would hold a dozen registers.
         const int q[2] = {q_first + row_in_tile(0), q_first + row_in_tile(1)};
@@ -458,7 +492,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // The bias's and mask's lines of block j into L1 while S_j is computed (cap_and_mask reads
     // them when it has landed): a quad's four threads take its two rows' two 64-key halves.
     auto prefetch_bias = [&](int j) {
-      if constexpr (kBias) {
+      if constexpr (kBias && !kBiasTiles) {
         const LogitBias<T> b = LogitBias<T>::from(p, w.batch, w.head, logits.unit);
         const int64_t row = min(q_first + row_in_tile((lane % 4) / 2), b.last_q);
         const int k = min(w.key_first(j) + (lane % 2) * 64, b.last_k);
