@@ -5,9 +5,10 @@
 // (the backward took 5x the plain one; docs/PERF.md, B22).
 #pragma once
 
-#include <cstdint>
-
 #include <cuda.h>
+
+#include <cstdint>
+#include <type_traits>
 
 #include "common/params.h"
 #include "common/ptx_sm90.cuh"
@@ -79,5 +80,18 @@ struct BiasTiles {
     }
   }
 };
+
+// add(bias type, std::bool_constant<mask>) for a tile's layout, unswitched so that each layout's
+// loads run straight (the bias type void* where there is no bias).
+template <typename T, typename Add>
+__device__ __forceinline__ void with_tile_layout(int bias_bytes, bool bias_fp32, bool has_mask, Add&& add) {
+  if (bias_bytes == 0) {
+    add(static_cast<void*>(nullptr), std::true_type{});
+  } else if (bias_fp32) {
+    has_mask ? add(float{}, std::true_type{}) : add(float{}, std::false_type{});
+  } else {
+    has_mask ? add(T{}, std::true_type{}) : add(T{}, std::false_type{});
+  }
+}
 
 }  // namespace jax_flash::sm90

@@ -73,13 +73,7 @@ __device__ __forceinline__ void add_tile_bias(float (&x)[kRegs], const char* til
       }
     }
   };
-  if (bias_bytes == 0) {
-    add(static_cast<void*>(nullptr), std::true_type{});
-  } else if (bias_fp32) {
-    has_mask ? add(float{}, std::true_type{}) : add(float{}, std::false_type{});
-  } else {
-    has_mask ? add(T{}, std::true_type{}) : add(T{}, std::false_type{});
-  }
+  with_tile_layout<T>(bias_bytes, bias_fp32, has_mask, add);
 }
 
 }  // namespace jax_flash::sm90
