@@ -78,7 +78,7 @@ cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream
     if constexpr (bwd_sm90_supports(kHeadDim, kVariant)) {
       // The sm90 backward does not cap a biased logit, and stages the bias by TMA (BwdBiasTiles).
       const bool bias_ok =
-          kVariant != Variant::kBias || (p.softcap == 0.f && sm90::BwdBiasTiles::of(p, sizeof(T)).stages > 0);
+          kVariant != Variant::kBias || (p.softcap == 0.f && sm90::BwdBiasTiles<kHeadDim>::of(p, sizeof(T)).stages > 0);
       if (sm90 && bias_ok) return run_bwd_sm90<T, kHeadDim, kVariant>(p, stream);
     }
     if constexpr (bwd_supports_head_dim(kHeadDim)) {

@@ -16,11 +16,11 @@ constexpr bool fwd_supports_head_dim(int d) {
 constexpr bool bwd_supports_head_dim(int d) { return d == 32 || d == 64 || d == 96 || d == 128 || d == 256; }
 // Head dims of the Hopper kernels; the others run the sm80 kernels on Hopper too.
 constexpr bool fwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 192 || d == 256; }
-// The sm90 backward's instantiations: d = 64 and 128, with a bias only at d = 128 (where its tiles
-// fit in shared memory; without a soft cap and in layouts that copy in chunks: dispatch.cu),
-// d = 256 (bwd_wide_kernel.cuh) without a bias or soft cap.
+// The sm90 backward's instantiations: d = 64 and 128 (with a bias only without a soft cap and where
+// its tiles copy by TMA and fit: dispatch.cu), d = 256 (bwd_wide_kernel.cuh) without a bias or
+// soft cap.
 constexpr bool bwd_sm90_supports(int d, Variant v) {
-  return v == Variant::kBias ? d == 128 : d == 64 || d == 128 || (d == 256 && v != Variant::kSoftcap);
+  return d == 64 || d == 128 || (d == 256 && v != Variant::kSoftcap && v != Variant::kBias);
 }
 
 // Which kernel family a call may use: the fastest one for the device, or only the mma.sync

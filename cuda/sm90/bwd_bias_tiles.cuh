@@ -13,21 +13,23 @@
 
 namespace jax_flash::sm90 {
 
-// The backward's tiles: 64-query steps, 128 keys (H = 128 only: at H = 64 the 128-query steps
-// leave no room), a 32 KB region in place of dQ's second buffers: two bf16 tiles or one float32.
-using BwdBiasTiles = BiasTiles<64, 128, 32 * 1024>;
+// The backward's tiles: a step's queries x 128 keys. At H = 128 (64-query steps) a 32 KB region in
+// place of dQ's second buffers: two bf16 tiles or one float32. At H = 64 (128-query steps) 48 KB in
+// place of dS's second buffer (BwdConfig): one bf16 tile, a bf16 tile and a mask, two masks; a
+// float32 tile (64 KB) does not fit.
+template <int kHeadDim>
+using BwdBiasTiles = BiasTiles<kHeadDim == 64 ? 128 : 64, 128, kHeadDim == 64 ? 48 * 1024 : 32 * 1024>;
 
 // A producer thread's copies of the walk's tiles, in the consumers' order (BiasTiles::load). Not
 // the thread that copies Q and dO: in its 24 registers these spilled.
-template <typename T>
+template <typename T, typename Tiles>
 __device__ void load_bias_tiles(const CUtensorMap* bias_map, const CUtensorMap* mask_map, const BwdParams& p,
                                 const BwdWalk& walk, uint32_t region, uint32_t full, uint32_t empty, int batch,
                                 int kv_head, int k_first) {
-  const auto tiles = BwdBiasTiles::of(p, sizeof(T));
+  const auto tiles = Tiles::of(p, sizeof(T));
   BwdStep step = BwdStep::first(walk, kv_head * (p.heads / p.kv_heads));
   for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
-    tiles.load(bias_map, mask_map, p, s, region, full, empty, batch, step.head, step.m_block * BwdBiasTiles::kBlockM,
-               k_first);
+    tiles.load(bias_map, mask_map, p, s, region, full, empty, batch, step.head, step.m_block * Tiles::kBlockM, k_first);
   }
 }
 
@@ -37,7 +39,7 @@ __device__ void load_bias_tiles(const CUtensorMap* bias_map, const CUtensorMap* 
 // layout, so that they issue together, each at a register offset plus a constant: rows 8 apart
 // share their swizzle, and for 16-bit biases and the mask the thread's other elements sit at
 // constant distances from its first (with an offset per element, ptxas spilled).
-template <typename T, int kRegs>
+template <typename T, typename Tiles, int kRegs>
 __device__ __forceinline__ void add_tile_bias(float (&x)[kRegs], const char* tile, int bias_bytes, bool bias_fp32,
                                               bool has_mask, int k0, int col0, float inv_unit) {
   auto add = [&](auto bias_type, auto masked) {
@@ -51,15 +53,15 @@ __device__ __forceinline__ void add_tile_bias(float (&x)[kRegs], const char* til
     for (int e = 0; e < 2; ++e) {
       if constexpr (kBias) {
         if constexpr (sizeof(B) == 2) {
-          const uint32_t first = BwdBiasTiles::offset(col0, k0, 2);
+          const uint32_t first = Tiles::offset(col0, k0, 2);
           bias_at[e][0] = first + e * 144, bias_at[e][1] = first + (e ? 128 : 16);
         } else {
-          bias_at[e][0] = BwdBiasTiles::offset(col0 + e, k0, 4);
-          bias_at[e][1] = BwdBiasTiles::offset(col0 + e, k0 + 8, 4);
+          bias_at[e][0] = Tiles::offset(col0 + e, k0, 4);
+          bias_at[e][1] = Tiles::offset(col0 + e, k0 + 8, 4);
         }
       }
       if constexpr (kMasked) {
-        mask_at[e][0] = bias_bytes + BwdBiasTiles::offset(col0 + e, k0, 1), mask_at[e][1] = mask_at[e][0] + 8;
+        mask_at[e][0] = bias_bytes + Tiles::offset(col0 + e, k0, 1), mask_at[e][1] = mask_at[e][0] + 8;
       }
     }
 #pragma unroll

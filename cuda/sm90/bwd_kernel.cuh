@@ -81,17 +81,18 @@ struct BwdConfig {
   static constexpr int kStatBytes = kBlockM * 4;           // one stage of lse_log2 or delta
   // dS^T: 64-query panels of 128-byte rows (keys); with kDqTransposed dS: 64-key panels of
   // 128-byte rows (queries). Two buffers, since dQ reads the other consumer's part (one step's
-  // dQ may still read one while the next step writes the other).
+  // dQ may still read one while the next step writes the other); one with the bias tiles at
+  // 128-query steps, whose region takes the other's place: there a consumer writes a step's dS
+  // only once both have finished the step before (named barrier 4).
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
   static constexpr int kDsPanelBytes = (kDqTransposed ? kBlockM : kBlockN) * 128;
-  static constexpr int kDsBuffers = 2;
+  static constexpr int kDsBuffers = kBias_ && kBlockM == 128 ? 1 : 2;
   // A consumer's dQ part: one fp32 tile of the accumulator (sm90/dq_tiles.cuh).
   static constexpr int kDqBytes = Dq::kFloats * 4;
   static constexpr int kDqBuffers = kBlockM == 64 && !kBias_ ? 2 : 1;  // per consumer, as shared memory allows
-  static_assert(!kBias_ || (kHeadDim == 128 && kBlockM == BwdBiasTiles::kBlockM &&
-                            kBlockN == BwdBiasTiles::kBlockN),
-                "the bias tiles fit at H = 128 only");
-  static constexpr int kBiasRegionBytes = kBias_ ? BwdBiasTiles::kRegionBytes : 0;
+  using BiasTiles = BwdBiasTiles<kHeadDim>;
+  static_assert(!kBias_ || (kBlockM == BiasTiles::kBlockM && kBlockN == BiasTiles::kBlockN), "the bias tiles' shape");
+  static constexpr int kBiasRegionBytes = kBias_ ? BiasTiles::kRegionBytes : 0;
   // Offsets from the 1024-byte aligned base (the swizzle repeats every 1024 bytes).
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDo = kQ + kStages * kQBytes;
   static constexpr int kDs = kDo + kStages * kQBytes;
@@ -201,7 +202,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x == 0 && walk.steps > 0) {
       produce_bwd_stages<Cfg>(maps, p, walk, barriers, base_addr, batch, kv_head, k_first);
     } else if (kBias && threadIdx.x == 64 && walk.steps > 0) {
-      load_bias_tiles<T>(&maps.bias, &maps.mask, p, walk, base_addr + Cfg::kBiasTiles, bias_full, bias_empty, batch,
+      load_bias_tiles<T, typename Cfg::BiasTiles>(&maps.bias, &maps.mask, p, walk, base_addr + Cfg::kBiasTiles, bias_full, bias_empty, batch,
                          kv_head, k_first);
     } else if (threadIdx.x == 32) {
       // The dQ adds, in the consumers' order; rows past seqlen_q go to the accumulator's padding.
@@ -374,11 +375,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
     }
     if constexpr (kBias) {
-      const auto tiles = BwdBiasTiles::of(p, sizeof(T));
+      const auto tiles = Cfg::BiasTiles::of(p, sizeof(T));
       const uint32_t bias_stage = tiles.stage_of(s);
       ptx::mbarrier_wait(bias_full + 8 * bias_stage, tiles.use_of(s) & 1);
       const char* tile = base + Cfg::kBiasTiles + bias_stage * tiles.tile_bytes();
-      add_tile_bias<T>(st, tile, tiles.bias_bytes, p.bias_fp32, tiles.mask_bytes != 0,
+      add_tile_bias<T, typename Cfg::BiasTiles>(st, tile, tiles.bias_bytes, p.bias_fp32, tiles.mask_bytes != 0,
                        key0 - k_first + warp * 16 + lane / 4, accum_col(0), 1.f / logits.unit);
       ptx::mbarrier_arrive(bias_empty + 8 * bias_stage);
     }
@@ -432,6 +433,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // (2 kk + m / 2) * 8: to shared memory for dQ by stmatrix, lane 8 m + r giving the address of
     // the tile's row r in memory.
     const uint32_t ds_lane_addr = ds_buffer + ds_lane_offset;
+    if constexpr (Cfg::kDsBuffers == 1) {
+      if (s > 0) ptx::named_barrier_sync(4, kConsumerThreads);  // the other's dQ read the last dS
+    }
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
 #pragma unroll
