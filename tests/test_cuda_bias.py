@@ -85,13 +85,13 @@ def test_bias_and_mask_with_other_masks(h, kw):
         check_with_bias(jnp.bfloat16, b, t, s, n, kv_heads, h, bias, **cases)
 
 
-@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("h", [64, 128, 192, 256])
 @pytest.mark.parametrize("case", ["bf16_bias_causal", "fp16_bias_and_mask", "fp32_bias_window", "mask_lengths_gqa"])
 def test_bias_tiles_of_the_hopper_kernels(h, case):
     """Layouts whose tiles the sm90 kernels stage with TMA (sm90/bias_tiles.cuh: unit key strides,
-    whole [T, S] rows of 16-byte multiples; the forward at d = 128, the backward at d = 64 and 128
-    where the tiles fit, a float32 bias at d = 128 only), one or two stages of them: S = 720 ends in
-    a part key block, T = 333 in a part query tile (rows and keys past the arrays read as zeros)."""
+    whole [T, S] rows of 16-byte multiples; the forward at every head dim, the backward at d = 64
+    and 128 where the tiles fit), one or two stages of them: S = 720 ends in a part key block,
+    T = 333 in a part query tile (rows and keys past the arrays read as zeros)."""
     rng = rng_for("bias_tiles", case, h)
     b, t, s, n = 2, 333, 720, 4
     cases = {

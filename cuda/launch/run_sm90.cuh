@@ -106,10 +106,10 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // H9-H11), also with lengths and the soft cap. At H = 128 a window bounded on the left, or
   // segments, would waste more of 176 keys at their edges (window 512 and 2048-token documents lost
   // 14%); at H = 256 the blocks are 80 keys against 64, and they lost nothing.
-  // The bias variant keeps the narrow blocks: with the wide ones its loads' registers spilled. At
-  // H = 128 it stages its tiles by TMA where they copy by rows (FwdBiasTiles).
-  if constexpr (kHeadDim == 128 && kVariant == Variant::kBias) {
-    if (sm90::FwdBiasTiles::of(p, sizeof(T)).stages > 0) {
+  // The bias variant keeps the narrow blocks: with the wide ones its loads' registers spilled. It
+  // stages its tiles by TMA where they copy by rows and fit (FwdBiasTiles).
+  if constexpr (kVariant == Variant::kBias) {
+    if (sm90::FwdBiasTiles<kHeadDim>::of(p, sizeof(T)).stages > 0) {
       return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 2, false, true>, kVariant>(p, stream);
     }
   }

@@ -13,16 +13,18 @@
 
 namespace jax_flash::sm90 {
 
-// The forward's tiles at H = 128: 128 query rows (two consumers), 128-key blocks, a 64 KB region
-// (two K/V stages instead of three make the room): two bf16 tiles, or one float32 tile.
-using FwdBiasTiles = BiasTiles<128, 128, 64 * 1024>;
+// The forward's tiles: 128 query rows (two consumers) x a key block (FwdConfig's narrow blocks:
+// 128 keys, 64 at H > 128). The region: 64 KB (two bf16 tiles, or one float32) except at H = 256,
+// whose Q and two K/V stages leave 32 KB; at H = 128 it takes the third K/V stage's place.
+template <int kHeadDim>
+using FwdBiasTiles = BiasTiles<128, kHeadDim <= 128 ? 128 : 64, kHeadDim == 256 ? 32 * 1024 : 64 * 1024>;
 
 // s[i] of S (row `row0` + 8 ((i % 4) / 2) of the tile, key 8 (i / 4) + 2 (lane % 4) + i % 2 of the
 // block) plus its bias / unit, or -inf where the mask hides it; `tile` at the stage. row0 % 8 =
 // lane / 4, as for the accumulator. A thread's two adjacent keys are one load, and rows 8 apart
 // share their swizzle: every load is a register offset per n8 tile (the swizzle's XOR) plus
 // constants.
-template <typename T, int kRegs>
+template <typename T, typename Tiles, int kRegs>
 __device__ __forceinline__ void add_tile_bias_rows(float (&s)[kRegs], const char* tile, int bias_bytes,
                                                    bool bias_fp32, bool has_mask, int row0, int lane,
                                                    float inv_unit) {
@@ -39,13 +41,13 @@ __device__ __forceinline__ void add_tile_bias_rows(float (&s)[kRegs], const char
         const int row = (row0 + 8 * r) * 128;
         if constexpr (kBias && sizeof(B) == 2) {
           // Keys 16 t + 4 (lane % 4) bytes in: box t / 8, chunk t % 8.
-          const uint32_t at = (t / 8) * FwdBiasTiles::kBoxBytes + row + (((t % 8) << 4) ^ swizzle) + 4 * (lane % 4);
+          const uint32_t at = (t / 8) * Tiles::kBoxBytes + row + (((t % 8) << 4) ^ swizzle) + 4 * (lane % 4);
           const float2 b = ptx::unpack2<T>(*reinterpret_cast<const uint32_t*>(tile + at));
           x0 += b.x * inv_unit, x1 += b.y * inv_unit;
         } else if constexpr (kBias) {
           // 32 t + 8 (lane % 4) bytes in: box t / 4, chunk 2 (t % 4) + (lane % 4) / 2.
           const uint32_t chunk = ((2 * (t % 4)) << 4) ^ (swizzle ^ (((lane % 4) / 2) << 4));
-          const uint32_t at = (t / 4) * FwdBiasTiles::kBoxBytes + row + chunk + 8 * (lane % 2);
+          const uint32_t at = (t / 4) * Tiles::kBoxBytes + row + chunk + 8 * (lane % 2);
           const float2 b = *reinterpret_cast<const float2*>(tile + at);
           x0 += b.x * inv_unit, x1 += b.y * inv_unit;
         }

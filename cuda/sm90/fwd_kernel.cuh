@@ -47,8 +47,8 @@ namespace jax_flash::sm90 {
 // kWideBlocks: 176-key blocks at H = 128, 80 at H = 256 (FlashAttention-3's non-causal tiles),
 // which spread a block's fixed cost (waits, turns, row maxima) over more keys; two stages then
 // fill the shared memory. The launcher says where they pay (run_sm90.cuh).
-// kBiasTiles (kBias at H = 128): the bias and mask staged by TMA a key block at a time
-// (fwd_bias_tiles.cuh), in a region that takes the third K/V stage's place.
+// kBiasTiles (kBias): the bias and mask staged by TMA a key block at a time (fwd_bias_tiles.cuh),
+// at H = 128 in a region that takes the third K/V stage's place.
 template <typename T_, int kHeadDim_, int kConsumers_ = 2, bool kWideBlocks = false, bool kBiasTiles = false>
 struct FwdConfig {
   using T = T_;
@@ -63,8 +63,9 @@ struct FwdConfig {
   // K/V stages: three at H = 128 (225 KB, +2-10% over two); H = 256 fits two; at H = 64 four
   // measured no faster non-causal and 13% slower causal at 16k (docs/PERF.md).
   static constexpr int kStages = kHeadDim == 128 && !kWideBlocks && !kBiasTiles ? 3 : 2;
-  static_assert(!kBiasTiles || (kHeadDim == 128 && !kWideBlocks && kConsumers == 2), "the bias tiles' shape");
-  static constexpr int kBiasRegionBytes = kBiasTiles ? FwdBiasTiles::kRegionBytes : 0;
+  using BiasTiles = FwdBiasTiles<kHeadDim>;
+  static_assert(!kBiasTiles || (!kWideBlocks && kConsumers == 2), "the bias tiles' shape");
+  static constexpr int kBiasRegionBytes = kBiasTiles ? BiasTiles::kRegionBytes : 0;
   // O staged in the last key block's K stage (held until the store has read it) and stored by
   // TMA, with three stages only: with two, the held stage delayed the next tile's second block
   // (d = 128 causal 16k and non-causal 4k 2% slower); with three, windows and packed documents
@@ -285,7 +286,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // With kBiasTiles, key block `it`'s tiles of the bias and mask, after its V.
     auto load_bias = [&](int it, const Work& w, int key_first) {
       if constexpr (kBiasTiles) {
-        FwdBiasTiles::of(p, sizeof(T)).load(&maps.bias, &maps.mask, p, it, bias_region, bias_full, bias_empty, w.batch,
+        Cfg::BiasTiles::of(p, sizeof(T)).load(&maps.bias, &maps.mask, p, it, bias_region, bias_full, bias_empty, w.batch,
                                             w.head, w.q_first, key_first);
       }
     };
@@ -452,12 +453,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         for (int i = 0; i < kSRegs; ++i) s[i] = logits.value(s[i]);
       }
       if constexpr (kBiasTiles) {
-        const auto tiles = FwdBiasTiles::of(p, sizeof(T));
+        const auto tiles = Cfg::BiasTiles::of(p, sizeof(T));
         const uint32_t stage = tiles.stage_of(it + j);
         ptx::mbarrier_wait(bias_full + 8 * stage, tiles.use_of(it + j) & 1);
         const char* bias_tile = smem + (bias_region - ptx::smem_addr(smem)) + stage * tiles.tile_bytes();
-        add_tile_bias_rows<T>(s, bias_tile, tiles.bias_bytes, p.bias_fp32, tiles.mask_bytes != 0, row_in_tile(0), lane,
-                              1.f / logits.unit);
+        add_tile_bias_rows<T, typename Cfg::BiasTiles>(s, bias_tile, tiles.bias_bytes, p.bias_fp32,
+                                                       tiles.mask_bytes != 0, row_in_tile(0), lane, 1.f / logits.unit);
         ptx::mbarrier_arrive(bias_empty + 8 * stage);
       } else if constexpr (kBias) {
         // Made each block from the parameters (constant memory) rather than kept across the
