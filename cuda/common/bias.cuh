@@ -143,6 +143,11 @@ struct BiasGrad {
     return {p.dbias ? p.dbias + batch * s.batch + head * s.head : nullptr, s.row, s.col};
   }
   __device__ __forceinline__ bool wanted() const { return dbias != nullptr; }
+  // Keys in aligned fours of one row: unit key strides, rows and the base in 16-byte units, and an
+  // S of whole fours (so a four is all in or all out).
+  __device__ __forceinline__ bool in_fours(int seqlen_k) const {
+    return col == 1 && row % 4 == 0 && reinterpret_cast<uintptr_t>(dbias) % 16 == 0 && seqlen_k % 4 == 0;
+  }
   // d loss / d logit of (q, k), added: broadcast axes sum over the elements that share them.
   __device__ __forceinline__ void add(int q, int k, float value) const {
     atomicAdd(dbias + q * row + k * col, value);

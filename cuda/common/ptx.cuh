@@ -113,17 +113,19 @@ __device__ __forceinline__ void butterfly_swap(uint32_t& lo, uint32_t& hi, bool 
   hi = set ? hi : got;
 }
 
-// The four lanes of a quad (lanes 4i..4i+3) each hold a row of a 4 x 4 matrix of 32-bit values in
-// a; afterwards lane quad_lane holds its column (a[i] = what lane i held in a[quad_lane]): the
-// off-diagonal 2 x 2 blocks swap (lane ^ 2), then each 2 x 2 block is transposed (lane ^ 1).
-// Every lane of the warp must take part.
-__device__ __forceinline__ void quad_transpose(uint32_t (&a)[4], int quad_lane) {
-  const bool upper = quad_lane & 2, odd = quad_lane & 1;
-  butterfly_swap(a[0], a[2], upper, 2);
-  butterfly_swap(a[1], a[3], upper, 2);
-  butterfly_swap(a[0], a[1], odd, 1);
-  butterfly_swap(a[2], a[3], odd, 1);
+// Four lanes `stride` apart (the index-th of them: index = (lane / stride) % 4) each hold a row of a
+// 4 x 4 matrix of 32-bit values in a; afterwards lane `index` holds its column (a[i] = what lane i
+// held in a[index]): the off-diagonal 2 x 2 blocks swap (lane ^ 2 stride), then each 2 x 2 block
+// is transposed (lane ^ stride). Every lane of the warp must take part.
+__device__ __forceinline__ void transpose_4x4(uint32_t (&a)[4], int index, int stride) {
+  const bool upper = index & 2, odd = index & 1;
+  butterfly_swap(a[0], a[2], upper, 2 * stride);
+  butterfly_swap(a[1], a[3], upper, 2 * stride);
+  butterfly_swap(a[0], a[1], odd, stride);
+  butterfly_swap(a[2], a[3], odd, stride);
 }
+// The four lanes of a quad (lanes 4i..4i+3), quad_lane = lane % 4.
+__device__ __forceinline__ void quad_transpose(uint32_t (&a)[4], int quad_lane) { transpose_4x4(a, quad_lane, 1); }
 
 // threadIdx.x, read where it is used: the compiler cannot keep it in a register from an earlier read.
 __device__ __forceinline__ uint32_t thread_index() {

@@ -423,11 +423,45 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::wgmma_wait<kDvAfterDs ? 0 : 1>();
     ptx::fence_registers(dpt);
     if constexpr (kThreadIndexAhead && Cfg::kDqTransposed) ds_offsets(tid_early / 32, tid_early % 32);
-    // With kBiasGrad, d logit = P^T (dP^T - delta) goes into dbias (masked elements, P = 0, add
-    // nothing) from this thread's first element's address and constant multiples of the strides:
-    // addresses computed per element spilled more.
+    // With kBiasGrad, d logit = P^T (dP^T - delta) goes into dbias (add_bias_grad).
     const BiasGrad dbias = kBiasGrad ? BiasGrad::from(p, batch, step.head) : BiasGrad{};
     const int dbias_key = key0 + warp * 16 + lane / 4, dbias_query = q_first + (lane % 4) * 2;
+    // grad[j]: d logit of elements 8 kk + 2 j, + 1 (key dbias_key + 8 (j % 2), queries
+    // dbias_query + 8 (j / 2) + 0, 1 of the kk-th 16). Where the keys of a row lie in aligned fours,
+    // the four lanes holding four adjacent keys exchange their values (a 4 x 4 transpose across
+    // lanes 4 apart), so that each adds four keys of one query in one request: a quarter of the
+    // requests of one add an element, which held the learned-bias backward at 1.5x the other's.
+    // Otherwise each element is added alone, from this thread's first element's address and
+    // constant multiples of the strides (addresses computed per element spilled more). Masked
+    // elements (P = 0) add nothing.
+    auto add_bias_grad = [&](const float2 (&grad)[4], int kk) {
+      if (dbias.in_fours(p.seqlen_k)) {
+        const int g = (lane / 4) % 4;  // which of the four lanes; queries m = 0..3 of each
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          uint32_t v[4] = {__float_as_uint(grad[r].x), __float_as_uint(grad[r].y), __float_as_uint(grad[r + 2].x),
+                           __float_as_uint(grad[r + 2].y)};
+          ptx::transpose_4x4(v, g, 4);  // now keys 0..3 of query m = g
+          const int q = dbias_query + kk * 16 + (g % 2) + 8 * (g / 2), k = dbias_key - g + 8 * r;
+          const bool any = (v[0] | v[1] | v[2] | v[3]) << 1;  // not all +-0
+          if (any && q < p.seqlen_q && k < p.seqlen_k) {
+            ptx::red_add_f32x4(dbias.dbias + q * dbias.row + k, __uint_as_float(v[0]), __uint_as_float(v[1]),
+                               __uint_as_float(v[2]), __uint_as_float(v[3]));
+          }
+        }
+        return;
+      }
+      float* at = dbias.dbias + dbias_query * dbias.row + dbias_key * dbias.col + kk * 16 * dbias.row;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int r = j % 2, q = dbias_query + kk * 16 + 8 * (j / 2);
+        float* const row = at + 8 * (j / 2) * dbias.row + 8 * r * dbias.col;
+        if (dbias_key + 8 * r < p.seqlen_k) {
+          if (grad[j].x != 0.f && q < p.seqlen_q) atomicAdd(row, grad[j].x);
+          if (grad[j].y != 0.f && q + 1 < p.seqlen_q) atomicAdd(row + dbias.row, grad[j].y);
+        }
+      }
+    };
     uint32_t dsa[kBlockM / 16][4];
     // dsa[kk][m] is the 8 x 8 tile of keys (m % 2) * 8 of this warp's 16 and queries
     // (2 kk + m / 2) * 8: to shared memory for dQ by stmatrix, lane 8 m + r giving the address of
@@ -438,21 +472,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      float2 grad[4];  // kBiasGrad
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int i = 8 * kk + 2 * j;  // elements i, i + 1: one row, two adjacent queries
         float2 ds = {dpt[i], dpt[i + 1]};
         if constexpr (!kSoftcap) ds = {ds.x - delta[i / 4].x, ds.y - delta[i / 4].y};
         if constexpr (kBiasGrad) {
-          // Elements i, i + 1: key dbias_key + 8 r, queries q and q + 1.
-          const int r = (i % 4) / 2, q = dbias_query + (i / 4) * 8;
           const float2 prob = ptx::unpack2<T>(pa[kk][j]);
-          float* at = dbias.dbias + dbias_query * dbias.row + dbias_key * dbias.col;
-          at += (i / 4) * 8 * dbias.row + r * 8 * dbias.col;
-          if (dbias_key + 8 * r < p.seqlen_k) {
-            if (prob.x != 0.f && q < p.seqlen_q) atomicAdd(at, prob.x * ds.x);
-            if (prob.y != 0.f && q + 1 < p.seqlen_q) atomicAdd(at + dbias.row, prob.y * ds.y);
-          }
+          grad[j] = {prob.x * ds.x, prob.y * ds.y};
         }
         if constexpr (std::is_same_v<T, __nv_bfloat16>) {
           // The product of the packed pairs: three instructions a pair fewer (no unpacking of P,
@@ -470,6 +498,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         ptx::stmatrix_x4(ds_lane_addr + (kk / 4) * Cfg::kDsPanelBytes + (((2 * kk) % 8 * 16) ^ ds_chunk_bits),
                          dsa[kk][0], dsa[kk][1], dsa[kk][2], dsa[kk][3]);
       }
+      if constexpr (kBiasGrad) add_bias_grad(grad, kk);
     }
 
     if constexpr (kDvAfterDs && !kDqFirst) issue_dv();
