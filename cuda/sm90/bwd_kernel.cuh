@@ -202,8 +202,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x == 0 && walk.steps > 0) {
       produce_bwd_stages<Cfg>(maps, p, walk, barriers, base_addr, batch, kv_head, k_first);
     } else if (kBias && threadIdx.x == 64 && walk.steps > 0) {
-      load_bias_tiles<T, typename Cfg::BiasTiles>(&maps.bias, &maps.mask, p, walk, base_addr + Cfg::kBiasTiles, bias_full, bias_empty, batch,
-                         kv_head, k_first);
+      load_bias_tiles<T, typename Cfg::BiasTiles>(&maps.bias, &maps.mask, p, walk, base_addr + Cfg::kBiasTiles,
+                                                  bias_full, bias_empty, batch, kv_head, k_first);
     } else if (threadIdx.x == 32) {
       // The dQ adds, in the consumers' order; rows past seqlen_q go to the accumulator's padding.
       // In deterministic mode each waits for the turn of this key block (common/bwd_walk.cuh) and
