@@ -30,6 +30,7 @@ template <int kBlockM_, int kBlockN_, int kRegionBytes_>
 struct BiasTiles {
   static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kRegionBytes = kRegionBytes_;
   static constexpr int kBoxBytes = kBlockM * 128;
+  static_assert(kBlockN % 64 == 0 && kBlockN <= 128, "a bf16 box of 64 keys, a mask box of 128");
   int bias_bytes;  // of one tile; 0: no bias
   int mask_bytes;  // 0: no mask
   int stages;      // 1 or 2; 0: the call cannot take the kernel (the launcher's choice)
@@ -38,7 +39,10 @@ struct BiasTiles {
     const int bias_elem = p.bias_fp32 ? 4 : elem_bytes;
     const bool rows = (p.bias == nullptr || copies_by_rows(p.bias, p.bias_strides, p.seqlen_k, bias_elem)) &&
                       (p.mask == nullptr || copies_by_rows(p.mask, p.mask_strides, p.seqlen_k, 1));
-    BiasTiles t{p.bias ? kBlockM * kBlockN * bias_elem : 0, p.mask ? kBlockM * kBlockN : 0, 0};
+    // A mask tile's rows are whole boxes of 128 keys (128 bytes) even where a block has 64 keys
+    // (the forward at H > 128): the box's other keys go unread.
+    BiasTiles t{p.bias ? kBlockM * kBlockN * bias_elem : 0, p.mask ? kBlockM * (kBlockN < 128 ? 128 : kBlockN) : 0,
+                0};
     const int tile = t.bias_bytes + t.mask_bytes;
     t.stages = rows && tile > 0 ? (2 * tile <= kRegionBytes ? 2 : tile <= kRegionBytes ? 1 : 0) : 0;
     return t;

@@ -64,7 +64,8 @@ struct FwdConfig {
   // measured no faster non-causal and 13% slower causal at 16k (docs/PERF.md).
   static constexpr int kStages = kHeadDim == 128 && !kWideBlocks && !kBiasTiles ? 3 : 2;
   using BiasTiles = FwdBiasTiles<kHeadDim>;
-  static_assert(!kBiasTiles || (!kWideBlocks && kConsumers == 2), "the bias tiles' shape");
+  static_assert(!kBiasTiles || (kBlockM == BiasTiles::kBlockM && kBlockN == BiasTiles::kBlockN),
+                "the bias tiles' shape");
   static constexpr int kBiasRegionBytes = kBiasTiles ? BiasTiles::kRegionBytes : 0;
   // O staged in the last key block's K stage (held until the store has read it) and stored by
   // TMA, with three stages only: with two, the held stage delayed the next tile's second block
@@ -286,8 +287,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // With kBiasTiles, key block `it`'s tiles of the bias and mask, after its V.
     auto load_bias = [&](int it, const Work& w, int key_first) {
       if constexpr (kBiasTiles) {
-        Cfg::BiasTiles::of(p, sizeof(T)).load(&maps.bias, &maps.mask, p, it, bias_region, bias_full, bias_empty, w.batch,
-                                            w.head, w.q_first, key_first);
+        Cfg::BiasTiles::of(p, sizeof(T)).load(&maps.bias, &maps.mask, p, it, bias_region, bias_full, bias_empty,
+                                              w.batch, w.head, w.q_first, key_first);
       }
     };
     const int tiles = Work::tile_count(p);
