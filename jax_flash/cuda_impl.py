@@ -108,15 +108,18 @@ def _flash_fwd(config: AttentionConfig, q, k, v, bias, mask, *masks):
 def _flash_bwd(config: AttentionConfig, residuals, cotangents):
     q, k, v, bias, mask, differentiated_bias, out, lse, masks, kernel = residuals
     want_dbias = differentiated_bias is not None
-    # Outputs that the loss does not use come as symbolic zeros.
-    d_out, d_lse = (jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cotangents)
+    # Outputs that the loss does not use come as symbolic zeros. An unused lse (the usual case)
+    # passes an empty [B, N, 0] cotangent, which the kernels read as zero: no zeros to write.
+    d_out, d_lse = cotangents
+    d_out = jnp.zeros(d_out.shape, d_out.dtype) if isinstance(d_out, SymbolicZero) else d_out
+    b, _, n, _ = q.shape
+    d_lse = jnp.zeros((b, n, 0), jnp.float32) if isinstance(d_lse, SymbolicZero) else d_lse.transpose(0, 2, 1)
     # A head dim without backward kernels (192) takes the next one up, zero-padded: zero columns
     # change no logit and get zero gradients.
     head_dim = q.shape[-1]
     padded = kernel_head_dim(head_dim, BWD_HEAD_DIMS)
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (q, k, v, out, d_out))
-    *grads, dbias = _ffi.backward(config, q, k, v, out, lse, d_out, d_lse.transpose(0, 2, 1), kernel, bias, mask,
-                                  want_dbias)  # fmt: skip
+    *grads, dbias = _ffi.backward(config, q, k, v, out, lse, d_out, d_lse, kernel, bias, mask, want_dbias)
     dbias = dbias.astype(bias.dtype) if want_dbias else None
     return tuple(g[..., :head_dim] for g in grads) + (dbias,) + (None,) * 5
 

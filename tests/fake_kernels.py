@@ -39,6 +39,7 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
     assert target == "jax_flash_bwd", target
     q, k, v, out, lse, d_out, d_lse, seqlens, q_segments, kv_segments, _, _, bias, mask = operands
     call = _call(attrs, q, k, v, seqlens, q_segments, kv_segments, bias, mask)
+    d_lse = jnp.zeros(lse.shape, lse.dtype) if d_lse.size == 0 else d_lse  # empty: the lse unused
     dq, dk, dv, dbias = xla_impl.backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse.transpose(0, 2, 1))
     scratch = [jnp.zeros(r.shape, r.dtype) for r in result_types[3:7]]
     return (dq.astype(result_types[0].dtype), dk, dv, *scratch, _dbias_result(dbias, result_types[7]))

@@ -75,6 +75,27 @@ def test_forward_and_gradients_equal_the_xla_path(kernel_calls, case):
     assert all(shapes[0][-1] == 64 for _, shapes in kernel_calls)  # padded head dim
 
 
+def test_lse_cotangent_reaches_the_kernels_only_when_used(kernel_calls):
+    """A loss of the output alone passes the backward an empty [B, N, 0] lse cotangent (read as
+    zero: no zeros written); a loss of the lse too passes it whole, and both match the xla path."""
+    q, k, v = qkv(rng_for("cuda-path-dlse"), jnp.bfloat16, 2, 24, 24, 2, 1, 32)
+
+    def loss(implementation, use_lse):
+        def f(q, k, v):
+            out, lse = jax_flash.attention(q, k, v, is_causal=True, implementation=implementation,
+                                           return_residual=True)
+            return jnp.sum(out.astype(jnp.float32) ** 2) + (jnp.sum(jnp.sin(lse)) if use_lse else 0.0)
+        return f
+
+    for use_lse, lse_cotangent in ((False, (2, 2, 0)), (True, (2, 2, 24))):
+        kernel_calls.clear()
+        grads = jax.grad(loss("cuda", use_lse), argnums=(0, 1, 2))(q, k, v)
+        for mine, ref in zip(grads, jax.grad(loss("xla", use_lse), argnums=(0, 1, 2))(q, k, v), strict=True):
+            assert reference.rel_error(mine, ref) < 2e-2
+        (shapes,) = [shapes for target, shapes in kernel_calls if target == "jax_flash_bwd"]
+        assert shapes[6] == lse_cotangent
+
+
 def test_head_dim_without_backward_kernels_pads_up(kernel_calls):
     """Head dim 160: the forward runs the 192 kernels, the backward the 256 ones (no 192 backward)."""
     q, k, v = qkv(rng_for("cuda-path-160"), jnp.bfloat16, 2, 24, 24, 2, 1, 160)

@@ -15,8 +15,8 @@
 namespace jax_flash {
 
 // One warp per statistics row [batch, head, q] (q < stats_stride): delta = rowsum(dO * O) - dlse
-// (dlse: the cotangent of the returned log-sum-exp, whose derivative is P) and lse in base 2;
-// rows past T get the values that make P = 0 and dS = 0 there.
+// (dlse: the cotangent of the returned log-sum-exp, whose derivative is P; none when the lse was
+// not used) and lse in base 2; rows past T get the values that make P = 0 and dS = 0 there.
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(128) bwd_preprocess(const BwdParams p) {
   constexpr int kChunks = kHeadDim / 8;
@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(128) bwd_preprocess(const BwdParams p) {
   if (lane == 0) {
     const int64_t index = batch_head * p.seqlen_q + q;  // into lse and dlse [B, N, T]
     const float lse = p.lse[index];
-    p.delta[row] = sum - p.dlse[index];
+    p.delta[row] = p.dlse == nullptr ? sum : sum - p.dlse[index];
     // A row that sees no key has lse = -inf; +inf makes its P = exp2(s - lse) = 0, not NaN.
     p.lse_log2[row] = lse == -INFINITY ? INFINITY : lse * kLog2e;
   }

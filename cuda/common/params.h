@@ -80,7 +80,7 @@ constexpr int kStatsRowMultiple = 640;
 
 struct BwdParams : FwdParams {
   const void* dout;
-  const float* dlse;  // [B, N, T]: cotangent of the returned lse (enters delta as -dlse)
+  const float* dlse;  // [B, N, T]: cotangent of the returned lse (enters delta as -dlse); nullptr: 0
   void* dq;
   void* dk;
   void* dv;

@@ -218,7 +218,15 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   p.o = const_cast<void*>(o.untyped_data());
   p.lse = const_cast<float*>(lse.typed_data());
   p.dout = dout.untyped_data();
-  p.dlse = dlse.typed_data();
+  // An empty dlse ([B, N, 0]): the lse was not used, and its cotangent is zero.
+  const auto dd = dlse.dimensions();
+  if (dlse.element_count() == 0) {
+    p.dlse = nullptr;
+  } else if (dd.size() != 3 || dd[0] != p.batch || dd[1] != p.heads || dd[2] != p.seqlen_q) {
+    return ffi::Error::InvalidArgument("jax_flash: dlse must be [B, N, T] or empty, got " + shape_string(dd));
+  } else {
+    p.dlse = dlse.typed_data();
+  }
   p.dq = dq->untyped_data();
   p.dk = dk->untyped_data();
   p.dv = dv->untyped_data();
@@ -291,7 +299,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl,
                                   .Arg<ffi::AnyBuffer>()  // o
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lse [B, N, T]
                                   .Arg<ffi::AnyBuffer>()  // dO
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // dlse [B, N, T]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dlse [B, N, T], or [B, N, 0]: zero
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seqlens [B, 2] or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q segment ids [B, T] or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv segment ids [B, S] or empty
