@@ -92,6 +92,30 @@ def test_wgmma_backward_at_256_with_bands(dtype, kw):
     check(dtype, 2, 129, 300, 4, 2, 256, **kw)
 
 
+@pytest.mark.parametrize("h", [64, 128, 256])
+@pytest.mark.parametrize("family", ["best", "sm80"])
+def test_gradients_through_the_lse(monkeypatch, family, h):
+    """A loss of the output and of the returned lse: the lse's cotangent enters the backward
+    (delta = rowsum(dO * O) - dlse); without it the kernels read none (an empty operand)."""
+    monkeypatch.setenv(_ffi.KERNELS_ENV, family)
+    rng = rng_for("lse-cotangent", family, h)
+    q, k, v = qkv(rng, jnp.bfloat16, 2, 200, 300, 4, 2, h)
+    g_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    g_lse = jnp.asarray(rng.normal(size=(2, 200, 4)), jnp.float32)
+
+    def loss(attention):
+        def f(q, k, v):
+            out, lse = attention(q, k, v)
+            return jnp.sum(out.astype(jnp.float32) * g_out) + jnp.sum(lse * g_lse)
+        return f
+
+    ours = jax.jit(jax.grad(loss(lambda q, k, v: jax_flash.attention(
+        q, k, v, is_causal=True, implementation="cuda", return_residual=True)), argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.grad(loss(lambda q, k, v: reference.attention(q, k, v, is_causal=True)), argnums=(0, 1, 2))(q, k, v)
+    for name, mine, expected in zip("qkv", ours, ref):
+        assert reference.rel_error(mine, expected) < GRAD_TOL, name
+
+
 @pytest.mark.parametrize("t,s", [(1, 1), (7, 7), (129, 129), (1000, 1000), (4097, 4097),
                                  (1, 4097), (4097, 129), (7, 1000)])
 @pytest.mark.parametrize("is_causal", [False, True])
