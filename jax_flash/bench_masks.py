@@ -5,7 +5,9 @@ on a CPU) under each mask, timed forward and forward + backward, as a fraction o
 the unmasked area: a 512-token window is 1/16 of the causal area at 16k, eight packed causal
 documents 1/8, half-length padded keys about 1/4. The soft cap adds a tanh per logit to the
 causal case, a [T, S] bias or boolean mask (shared by the heads) a load per logit, and a
-learned bias also its gradient (an add per logit into dbias): their fractions are their costs.
+learned bias also its gradient (an add per logit into dbias): their fractions are their costs. A
+padding mask hiding the second half of the keys leaves 0.75 of the causal area (the first half of
+the queries see their causal keys, the second half the first 8k).
 
 On a GPU the peers that take a window (cuDNN through `jax.nn.dot_product_attention` and, when it
 imports, FlashAttention-3's JAX binding) run the causal and window cases too, each as a fraction
@@ -41,6 +43,8 @@ def cases(seqlen: int, dtype) -> dict[str, dict]:
         "bias [1, 1, T, S] (causal)": dict(is_causal=True, bias=bias),
         "learned bias [1, 1, T, S] (causal)": dict(is_causal=True, bias=bias, learned=True),
         "boolean mask [1, 1, T, S] (causal)": dict(is_causal=True, mask=bias > -2.0),
+        "padding mask [1, 1, 1, S], half (causal)": dict(is_causal=True,
+                                                        mask=(jnp.arange(seqlen) < seqlen // 2)[None, None, None]),
     }
 
 

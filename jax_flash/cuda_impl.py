@@ -7,6 +7,7 @@ pads the head dim up to one with kernels, then runs a `custom_vjp` whose forward
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -48,6 +49,26 @@ def _pad_head_dim(x, size: int):
     return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
 
+def mask_as_segments(call: Call) -> Call:
+    """`call` with a boolean mask that varies along the keys alone ([B or 1, 1, 1, S], a padding
+    mask) or the queries alone ([B or 1, 1, T, 1]) given to the kernels as segment ids: the queries
+    in segment 0, the keys in 0 where attended and 1 where not (or the other way round). The same
+    visibility, but the kernels skip the key blocks of no shared segment and read no mask per
+    logit (a mask runs the bias kernels, whose backward takes only whole [T, S] rows on Hopper).
+    Left as it is when the call has segment ids of its own."""
+    mask, b, t, s = call.mask, call.query.shape[0], call.query.shape[1], call.key.shape[1]
+    if mask is None or call.q_segment_ids is not None or mask.shape[1] != 1:
+        return call
+    outside = lambda m, length: jnp.broadcast_to(jnp.where(m, 0, 1).astype(jnp.int32), (b, length))  # noqa: E731
+    if mask.shape[2] == 1:  # along the keys (or neither)
+        q_segments, kv_segments = jnp.zeros((b, t), jnp.int32), outside(mask[:, 0, 0, :], s)
+    elif mask.shape[3] == 1:
+        q_segments, kv_segments = outside(mask[:, 0, :, 0], t), jnp.zeros((b, s), jnp.int32)
+    else:
+        return call
+    return dataclasses.replace(call, mask=None, q_segment_ids=q_segments, kv_segment_ids=kv_segments)
+
+
 def _mask_arrays(call: Call) -> tuple:
     return call.query_seq_lengths, call.key_value_seq_lengths, call.q_segment_ids, call.kv_segment_ids
 
@@ -64,6 +85,7 @@ def _kernel_masks(q, k, q_len, kv_len, q_seg, kv_seg) -> KernelMasks:
 
 def attention(call: Call) -> tuple[jax.Array, jax.Array]:
     """(output [B, T, N, H], lse [B, T, N] float32) from the CUDA kernels."""
+    call = mask_as_segments(call)
     head_dim = call.query.shape[-1]
     padded = kernel_head_dim(head_dim)
     q, k, v = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value))
@@ -75,6 +97,7 @@ def attention(call: Call) -> tuple[jax.Array, jax.Array]:
 def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) of a call from the kernels' backward, given an output and lse [B, T, N] that
     need not be this call's own: ring attention passes the final ones of the whole sequence."""
+    call = mask_as_segments(call)
     head_dim = call.query.shape[-1]
     padded = kernel_head_dim(head_dim)
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))

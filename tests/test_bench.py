@@ -24,7 +24,7 @@ def test_quick_benchmark_table_and_plot(tmp_path, capsys):
 
 def test_masks_benchmark(capsys):
     rows = bench.main(["--masks"])
-    assert [r["case"] for r in rows][0] == "causal" and len(rows) == len(bench_masks.cases(64, jnp.float32)) == 8
+    assert [r["case"] for r in rows][0] == "causal" and len(rows) == len(bench_masks.cases(64, jnp.float32)) == 9
     assert {r["head_dim"] for r in rows} == {128}  # --head-dims picks others
     assert all(r["fwd"] > 0 and r["fwd_bwd"] > r["fwd"] for r in rows)
     # Fractions of causal round by round (the cases interleaved, as bench.measure times them).

@@ -85,6 +85,21 @@ def test_bias_and_mask_with_other_masks(h, kw):
         check_with_bias(jnp.bfloat16, b, t, s, n, kv_heads, h, bias, **cases)
 
 
+@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("shape", ["keys", "keys_shared", "queries"])
+def test_key_and_query_masks(h, shape):
+    """Masks along the keys alone (padding) or the queries alone, which the kernels take as
+    segment ids (cuda_impl.mask_as_segments); batch row 0 sees no key where the mask has rows."""
+    rng = rng_for("mask_as_segments", h, shape)
+    b, t, s, n = 2, 300, 517, 4
+    mask_shape = {"keys": (b, 1, 1, s), "keys_shared": (1, 1, 1, s), "queries": (b, 1, t, 1)}[shape]
+    mask = rng.random(mask_shape) < 0.6
+    mask[..., :8] = True
+    if mask_shape[0] == b:
+        mask[0] = False
+    check(jnp.bfloat16, b, t, s, n, 2, h, mask=jnp.asarray(mask), is_causal=shape != "queries")
+
+
 @pytest.mark.parametrize("h", [64, 128, 192, 256])
 @pytest.mark.parametrize("case", ["bf16_bias_causal", "fp16_bias_and_mask", "fp32_bias_window", "mask_lengths_gqa"])
 def test_bias_tiles_of_the_hopper_kernels(h, case):

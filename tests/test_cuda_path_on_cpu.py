@@ -139,12 +139,40 @@ def test_auto_mode_takes_the_kernels_where_they_run(kernel_calls):
     jax_flash.attention(q, k, v, is_causal=True, softcap=20.0)
     assert [target for target, _ in kernel_calls] == ["jax_flash_fwd"]
     kernel_calls.clear()
-    jax_flash.attention(q, k, v, bias=jnp.zeros((1, 2, 16, 16), jnp.float32), mask=jnp.ones((2, 1, 16, 1), bool))
+    jax_flash.attention(q, k, v, bias=jnp.zeros((1, 2, 16, 16), jnp.float32), mask=jnp.ones((2, 2, 16, 1), bool))
     assert [target for target, _ in kernel_calls] == ["jax_flash_fwd"]
-    assert kernel_calls[0][1][-2:] == [(1, 2, 16, 16), (2, 1, 16, 1)]  # passed as given, not broadcast
+    assert kernel_calls[0][1][-2:] == [(1, 2, 16, 16), (2, 2, 16, 1)]  # passed as given, not broadcast
     kernel_calls.clear()
     jax_flash.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))  # float32
     assert kernel_calls == []
+
+
+@pytest.mark.parametrize("mask_shape", [(3, 1, 1, 56), (1, 1, 1, 56), (3, 1, 40, 1), (3, 1, 1, 1), (3, 1, 40, 56)])
+def test_key_or_query_masks_reach_the_kernels_as_segment_ids(kernel_calls, mask_shape):
+    """A mask along the keys alone (padding) or the queries alone runs as segment ids, with no
+    mask operand; other masks stay masks. Values and gradients as the xla path's, with a batch
+    row that sees no key (batch row 0)."""
+    rng = rng_for("cuda-path-mask-segments", mask_shape)
+    b, t, s, n = 3, 40, 56, 4
+    q, k, v = qkv(rng, jnp.bfloat16, b, t, s, n, 2, 32)
+    mask = rng.random(mask_shape) < 0.7
+    mask[..., 0] = True  # every batch row sees a key ...
+    if mask_shape[0] == b:
+        mask[0] = False  # ... except row 0
+    kw = dict(mask=jnp.asarray(mask), is_causal=mask_shape[2] == 1)
+    out = jax_flash.attention(q, k, v, implementation="cuda", **kw)
+    assert reference.rel_error(out, jax_flash.attention(q, k, v, implementation="xla", **kw)) < 1e-2
+    if mask_shape[0] == b:
+        assert (out[0] == 0).all()
+    grads = jax.grad(_loss("cuda", kw), argnums=(0, 1, 2))(q, k, v)
+    for mine, ref in zip(grads, jax.grad(_loss("xla", kw), argnums=(0, 1, 2))(q, k, v), strict=True):
+        assert jnp.isfinite(mine).all() and reference.rel_error(mine, ref) < 2e-2
+    as_segments = mask_shape[2] == 1 or mask_shape[3] == 1
+    for target in ("jax_flash_fwd", "jax_flash_bwd"):
+        shapes = [shapes for name, shapes in kernel_calls if name == target][-1]
+        segments, mask_operand = shapes[-6:-4], shapes[-1]
+        assert segments == ([(b, t), (b, s)] if as_segments else [(b, 0), (b, 0)]), target
+        assert mask_operand == ((b, 0, 0, 0) if as_segments else mask_shape), target
 
 
 def test_bias_gradient_only_when_differentiated(kernel_calls):
