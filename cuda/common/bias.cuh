@@ -143,6 +143,10 @@ struct BiasGrad {
     return {p.dbias ? p.dbias + batch * s.batch + head * s.head : nullptr, s.row, s.col};
   }
   __device__ __forceinline__ bool wanted() const { return dbias != nullptr; }
+  // Whether backward CTAs of different (batch, kv head) add into the same elements.
+  __device__ static bool shared_by_ctas(const BwdParams& p) {
+    return (p.dbias_strides.batch == 0 && p.batch > 1) || (p.dbias_strides.head == 0 && p.kv_heads > 1);
+  }
   // Keys in aligned fours of one row: unit key strides, rows and the base in 16-byte units, and an
   // S of whole fours (so a four is all in or all out).
   __device__ __forceinline__ bool in_fours(int seqlen_k) const {

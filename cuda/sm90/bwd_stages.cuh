@@ -29,16 +29,19 @@ struct BwdTensorMaps {
 // and dO in L2) start key block by key block: every head's block 0, then every head's block 1,
 // and so on, so that the grid ends on the shortest walks (FlashAttention-3 orders its causal
 // backward longest first too). Deterministic mode's turns, which pass from each key block of a
-// head to the next, still find the earlier blocks started.
+// head to the next, still find the earlier blocks started. `all_heads_together`: one group of
+// every (batch, kv head), for a bias's gradient that several of them add into (a bias broadcast
+// over heads or batch): each key block's column of dbias is then added to by all of them while it
+// is in L2, rather than once a group, each group reading and writing it from DRAM again.
 struct BwdCta {
   int n_block, batch, kv_head;
   template <bool kLongestFirst>
-  __device__ static BwdCta of(int kv_heads) {
+  __device__ static BwdCta of(int kv_heads, bool all_heads_together = false) {
     int n_block = blockIdx.x, batch_head = blockIdx.y;
     if constexpr (kLongestFirst) {
       const int blocks = gridDim.x, heads = gridDim.y;
       const int linear = blockIdx.y * blocks + blockIdx.x;
-      const int group_heads = max(1, 256 / blocks);
+      const int group_heads = all_heads_together ? heads : max(1, 256 / blocks);
       const int first_head = linear / (group_heads * blocks) * group_heads;
       const int heads_here = min(group_heads, heads - first_head);
       const int i = linear - first_head * blocks;
