@@ -1,8 +1,9 @@
 // The first kernel of every backward: the per-row statistics the main kernels read, a zeroed dQ
-// accumulator and zeroed dQ turn counters (XLA hands us uninitialised output buffers). The
-// accumulator has B * N * stats_stride * H floats (params.h), which each kernel family lays out
-// its own way, so it is zeroed whole, H floats per statistics row; dq_accum = nullptr skips it
-// (the d = 256 wgmma backward writes dq without one).
+// accumulator and zeroed dQ turn or ticket counters (XLA hands us uninitialised output buffers).
+// The accumulator has B * N * stats_stride * H floats (params.h), which each kernel family lays
+// out its own way, so it is zeroed whole, H floats per statistics row; dq_accum = nullptr skips it
+// (the d = 256 wgmma backward writes dq without one), and so do dQ tickets (params.h: the first
+// part of each block is stored, not added).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -27,8 +28,9 @@ __global__ void __launch_bounds__(128) bwd_preprocess(const BwdParams p) {
   if (row >= int64_t(p.batch) * p.heads * p.stats_stride) return;
   const int q = row % p.stats_stride;
   const int64_t batch_head = row / p.stats_stride;
-  if (p.dq_turns != nullptr && q % 64 == 0 && lane == 0) p.dq_turns[row / 64] = 0;
-  if (p.dq_accum != nullptr && lane < kChunks) {
+  int* const counters = p.dq_turns != nullptr ? p.dq_turns : p.dq_tickets;
+  if (counters != nullptr && q % 64 == 0 && lane == 0) counters[row / 64] = 0;
+  if (p.dq_accum != nullptr && p.dq_tickets == nullptr && lane < kChunks) {
     float4* acc = reinterpret_cast<float4*>(p.dq_accum + row * kHeadDim + lane * 8);
     acc[0] = make_float4(0.f, 0.f, 0.f, 0.f);
     acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -87,7 +87,8 @@ struct BwdParams : FwdParams {
   // float32 scratch of B * stats_stride * N * H elements owned by XLA (an extra output of the
   // call), zeroed by bwd_preprocess: [B, T, N, H] for the atomics of the sm80 kernels,
   // 64 x 64 tiles for sm90/bwd_kernel.cuh (sm90/dq_tiles.cuh). A last kernel turns it into dq.
-  // Unused (and not zeroed) at d = 256 on sm90, whose dQ kernel writes dq itself.
+  // Unused (and not zeroed) at d = 256 on sm90, whose dQ kernel writes dq itself; not zeroed
+  // either with dq_tickets.
   float* dq_accum;
   // Per-row statistics, [B, N, stats_stride] float32 scratch with stats_stride >= T a multiple of
   // kStatsRowMultiple, so that every query block's rows are whole and aligned (the sm90 kernel
@@ -99,6 +100,12 @@ struct BwdParams : FwdParams {
   // zeroed by bwd_preprocess; the key blocks add their dQ parts of a query block in key-block
   // order (bwd_walk.cuh). nullptr: in any order (faster, not bit-reproducible).
   int* dq_turns;
+  // sm90/bwd_kernel.cuh outside deterministic mode: the same scratch as dQ tickets, one a query
+  // block (at its first row / 64), zeroed by bwd_preprocess in place of the accumulator. The first
+  // CTA to take a block's ticket stores its dQ part, the others add theirs once it has landed
+  // (dq_tiles.cuh). `dq_counters` is that scratch, for the launcher to choose.
+  int* dq_tickets;
+  int* dq_counters;
   // kBias only: the bias's gradient, d loss / d logit, float32, zeroed by the handler and added to
   // with atomics (so broadcast axes sum up); nullptr: not wanted.
   float* dbias;

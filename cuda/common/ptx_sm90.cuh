@@ -85,6 +85,12 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, ui
                "r"(bytes)
                : "memory");
 }
+// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) to global memory, in the bulk
+// group of the stores.
+__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+}
 __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n"); }
 // Until the committed stores have read their shared memory.
 __device__ __forceinline__ void tma_store_wait_read() {

@@ -250,7 +250,8 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     return ffi::Error::InvalidArgument("jax_flash: the dq_turns scratch must be [B, N, padded T / 64], got " +
                                        shape_string(td));
   }
-  p.dq_turns = deterministic != 0 ? dq_turns->typed_data() : nullptr;
+  p.dq_counters = dq_turns->typed_data();
+  p.dq_turns = deterministic != 0 ? p.dq_counters : nullptr;
   if (dbias->element_count() > 0) {
     // An empty dbias: not wanted. Otherwise the kernels add into it: zero it first.
     if (p.bias == nullptr) return ffi::Error::InvalidArgument("jax_flash: dbias needs a bias");

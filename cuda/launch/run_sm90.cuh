@@ -144,10 +144,13 @@ cudaError_t make_bwd_tensor_maps(const BwdParams& p, sm90::BwdTensorMaps* maps) 
 }
 
 // H <= 128: bwd_kernel with Cfg = BwdConfig, whose dQ accumulator is tiled as Cfg::Dq, converted
-// to dq by a last kernel.
+// to dq by a last kernel. Outside deterministic mode the accumulator is not zeroed: dQ tickets
+// (params.h) say which CTA stores each block's first part.
 template <typename Cfg, Variant kVariant>
-cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
+cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   using T = typename Cfg::T;
+  BwdParams p = params;
+  p.dq_tickets = p.dq_turns == nullptr ? p.dq_counters : nullptr;
   if (cudaError_t e = launch_bwd_preprocess<T, Cfg::kHeadDim>(p, stream); e != cudaSuccess) return e;
   sm90::BwdTensorMaps maps;
   if (cudaError_t e = make_bwd_tensor_maps<Cfg>(p, &maps); e != cudaSuccess) return e;
@@ -159,7 +162,7 @@ cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   const dim3 grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  return sm90::launch_dq_from_tiles<T, typename Cfg::Dq>(p, stream);
+  return sm90::launch_dq_from_tiles<T, typename Cfg::Dq, Cfg::kBlockM>(p, stream);
 }
 
 // H = 256: dK and dV by bwd_wide_kernel (a CTA per 64 keys), dQ by bwd_dq_kernel (a CTA per 64

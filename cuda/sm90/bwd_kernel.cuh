@@ -208,8 +208,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     } else if (threadIdx.x == 32) {
       // The dQ adds, in the consumers' order; rows past seqlen_q go to the accumulator's padding.
       // In deterministic mode each waits for the turn of this key block (common/bwd_walk.cuh) and
-      // is complete before the turn passes on.
+      // is complete before the turn passes on. Otherwise, with dQ tickets (params.h), the first
+      // CTA at a query block stores its part and marks it stored once complete; the others add
+      // theirs after that mark. Each step's ticket is taken a step ahead, so that its round trip
+      // runs under the wait for the consumers; it never waits for another CTA (the first CTA
+      // stores as soon as its own consumers are done), so no wait can go round in a circle.
       BwdStep step = BwdStep::first(walk, kv_head * group);
+      // Made where used (the producer has 24 registers): a pointer kept across the step spilled,
+      // and so did 64-bit index math (the index is far below 2^31: B N T / 64 tickets).
+      auto ticket_of = [&](const BwdStep& at) {
+        return p.dq_tickets + ((batch * p.heads + at.head) * (p.stats_stride / 64) + at.m_block * (kBlockM / 64));
+      };
+      int arrivals_before = p.dq_tickets != nullptr && walk.steps > 0 ? atomicAdd(ticket_of(step), 1) : 0;
       for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
         const int buffer = s % Cfg::kDqBuffers, use = s / Cfg::kDqBuffers;
         int* turn = nullptr;
@@ -218,17 +228,38 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                               band.without_segments(), step.m_block, n_block, kBlockM, kBlockN);
           ptx::fence_proxy_async_global();
         }
+        const bool stores = p.dq_tickets != nullptr && arrivals_before == 0;
+        if (p.dq_tickets != nullptr) {
+          if (!stores) {
+            while ((ptx::ld_acquire(ticket_of(step)) & kDqStored) == 0) {
+            }
+            ptx::fence_proxy_async_global();
+          }
+          if (s + 1 < walk.steps) {
+            BwdStep next = step;
+            next.advance(walk);
+            arrivals_before = atomicAdd(ticket_of(next), 1);
+          }
+        }
         for (int c = 0; c < Cfg::kConsumers; ++c) {
           ptx::mbarrier_wait(dq_full(c, buffer), use & 1);
           const int row_block = (step.m_block * kBlockM + Cfg::dq_row0(c)) / Cfg::Dq::kRows;
-          ptx::bulk_reduce_add_f32(p.dq_accum + Cfg::Dq::tile(p, batch, step.head, row_block, Cfg::dq_column0(c) / 64),
-                                   sDq(c, buffer), Cfg::kDqBytes);
+          float* const dst = p.dq_accum + Cfg::Dq::tile(p, batch, step.head, row_block, Cfg::dq_column0(c) / 64);
+          if (stores) {
+            ptx::bulk_store(dst, sDq(c, buffer), Cfg::kDqBytes);
+          } else {
+            ptx::bulk_reduce_add_f32(dst, sDq(c, buffer), Cfg::kDqBytes);
+          }
         }
         ptx::tma_store_commit();
-        if (turn != nullptr) {
+        if (turn != nullptr || stores) {
           ptx::tma_store_wait_all();
           ptx::fence_proxy_async_global();
-          ptx::red_release_add(turn, 1);
+          if (stores) {
+            ptx::red_release_add(ticket_of(step), kDqStored);
+          } else {
+            ptx::red_release_add(turn, 1);
+          }
         } else {
           ptx::tma_store_wait_read();
         }

@@ -19,6 +19,10 @@
 
 namespace jax_flash::sm90 {
 
+// A dQ ticket (BwdParams::dq_tickets) counts the CTAs that arrived at its query block in its low
+// bits; this bit says that the first one's part has landed, so that the others may add theirs.
+constexpr int kDqStored = 1 << 30;
+
 // kRows x 64 tiles. kTransposed: the consumers hold dQ^T (FlashAttention-3's 80-query steps at
 // H = 128, bwd_kernel.cuh), so in an m64n(kRows) accumulator the 64 rows are columns of dQ and
 // the kRows columns are its rows; the tile keeps that register order all the same.
@@ -41,8 +45,9 @@ struct DqTiles {
 // dQ [B, T, N, H] in T from the tiles: a CTA of 128 threads per tile. Each thread reads the float4
 // chunks that consumer thread t wrote: accumulator rows warp * 16 + lane / 4 and + 8, two adjacent
 // accumulator columns of each n8 tile (dQ rows and columns, or with kTransposed the other way
-// round). The tile goes out through shared memory as 16-byte row chunks.
-template <typename T, typename Tiles>
+// round). The tile goes out through shared memory as 16-byte row chunks. With dQ tickets, a tile
+// of a query block (kStepRows rows) that no CTA visited was never written: its dQ is 0.
+template <typename T, typename Tiles, int kStepRows>
 __global__ void __launch_bounds__(128) dq_from_tiles(const BwdParams p) {
   constexpr int kRows = Tiles::kRows, kCols = Tiles::kCols;
   constexpr int kRowBytes = kCols * 2 + 16;  // padded: the writes of a warp spread over the banks
@@ -55,10 +60,13 @@ __global__ void __launch_bounds__(128) dq_from_tiles(const BwdParams p) {
   if (row0 >= p.seqlen_q) return;
   const int t = threadIdx.x, warp = t / 32, lane = t % 32;
   const float4* tile = reinterpret_cast<const float4*>(p.dq_accum + Tiles::tile(p, batch, head, row_block, col_block));
+  const bool unvisited =
+      p.dq_tickets != nullptr &&
+      p.dq_tickets[int64_t(batch_head) * (p.stats_stride / 64) + row0 / kStepRows * (kStepRows / 64)] == 0;
   const uint32_t staged = ptx::smem_addr(staging);
 #pragma unroll
   for (int c = 0; c < Tiles::kChunks; ++c) {
-    float4 v = tile[Tiles::chunk(c, t)];
+    float4 v = unvisited ? make_float4(0.f, 0.f, 0.f, 0.f) : tile[Tiles::chunk(c, t)];
     v = {v.x * p.scale, v.y * p.scale, v.z * p.scale, v.w * p.scale};  // bwd_kernel's dS leaves it out
     const int acc_row = warp * 16 + lane / 4, acc_col = c * 8 + (lane % 4) * 2;
     if constexpr (Tiles::kTransposed) {
@@ -88,10 +96,10 @@ __global__ void __launch_bounds__(128) dq_from_tiles(const BwdParams p) {
   }
 }
 
-template <typename T, typename Tiles>
+template <typename T, typename Tiles, int kStepRows>
 cudaError_t launch_dq_from_tiles(const BwdParams& p, cudaStream_t stream) {
   const int64_t tiles = int64_t(p.batch) * p.heads * (p.stats_stride / Tiles::kRows) * (p.head_dim / Tiles::kCols);
-  dq_from_tiles<T, Tiles><<<tiles, 128, 0, stream>>>(p);
+  dq_from_tiles<T, Tiles, kStepRows><<<tiles, 128, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
