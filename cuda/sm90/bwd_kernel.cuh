@@ -211,12 +211,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // is complete before the turn passes on. Otherwise, with dQ tickets (params.h), the first
       // CTA at a query block stores its part and marks it stored once complete; the others add
       // theirs after that mark. Each step's ticket is taken a step ahead, so that its round trip
-      // runs under the wait for the consumers; it never waits for another CTA (the first CTA
-      // stores as soon as its own consumers are done), so no wait can go round in a circle.
+      // runs under the wait for the consumers. A CTA waits only at a block another CTA stores
+      // first, which does not wait there; any wait that CTA meets before is at a block earlier in
+      // the order that every walk over the head's blocks shares (last block first, head by head),
+      // so no chain of waits can go round in a circle.
       BwdStep step = BwdStep::first(walk, kv_head * group);
       // Made where used (the producer has 24 registers): a pointer kept across the step spilled,
       // and so did 64-bit index math (the index is far below 2^31: B N T / 64 tickets).
-      auto ticket_of = [&](const BwdStep& at) {
+      auto ticket_of = [&, batch = batch](const BwdStep& at) {
         return p.dq_tickets + ((batch * p.heads + at.head) * (p.stats_stride / 64) + at.m_block * (kBlockM / 64));
       };
       int arrivals_before = p.dq_tickets != nullptr && walk.steps > 0 ? atomicAdd(ticket_of(step), 1) : 0;
