@@ -59,11 +59,12 @@ def mask_as_segments(call: Call) -> Call:
     mask, b, t, s = call.mask, call.query.shape[0], call.query.shape[1], call.key.shape[1]
     if mask is None or call.q_segment_ids is not None or mask.shape[1] != 1:
         return call
-    outside = lambda m, length: jnp.broadcast_to(jnp.where(m, 0, 1).astype(jnp.int32), (b, length))  # noqa: E731
+    # Segment 0 where the mask attends, 1 where it hides, one row a batch row.
+    segments_of = lambda m, length: jnp.broadcast_to(jnp.where(m, 0, 1).astype(jnp.int32), (b, length))  # noqa: E731
     if mask.shape[2] == 1:  # along the keys (or neither)
-        q_segments, kv_segments = jnp.zeros((b, t), jnp.int32), outside(mask[:, 0, 0, :], s)
+        q_segments, kv_segments = jnp.zeros((b, t), jnp.int32), segments_of(mask[:, 0, 0, :], s)
     elif mask.shape[3] == 1:
-        q_segments, kv_segments = outside(mask[:, 0, :, 0], t), jnp.zeros((b, s), jnp.int32)
+        q_segments, kv_segments = segments_of(mask[:, 0, :, 0], t), jnp.zeros((b, s), jnp.int32)
     else:
         return call
     return dataclasses.replace(call, mask=None, q_segment_ids=q_segments, kv_segment_ids=kv_segments)
