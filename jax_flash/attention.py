@@ -74,7 +74,9 @@ def attention(
       value: `[B, S, K, H]`, same shape and dtype as `key`.
       bias: optional float array added to the logits, broadcastable to `[B, N, T, S]` (each axis
         1 or full size). Differentiable.
-      mask: optional boolean array, broadcastable to `[B, N, T, S]`; `True` means attend.
+      mask: optional boolean array, broadcastable to `[B, N, T, S]`; `True` means attend. A
+        mask along the keys alone (`[B, 1, 1, S]`, padding) or the queries alone runs in the
+        kernels as segment ids: the key blocks it hides are skipped, not read.
       scale: logit scale; default `1 / sqrt(H)`.
       is_causal: causal mask. When `T != S` the diagonal is aligned bottom-right: query `i` sees
         keys `j <= i + (S - T)`, so the last query sees every key (as FlashAttention 2.1+).
