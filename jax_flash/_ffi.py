@@ -159,10 +159,9 @@ def forward(config, q, k, v, masks: KernelMasks, bias, mask):
 
 def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, mask, want_dbias: bool):
     """(dq, dk, dv, dbias) from the backward kernels; lse and d_lse are [B, N, T] float32 (d_lse
-    may be [B, N, 0]: zero, the lse unused); bias
-    and mask as `forward` takes them. dbias (with `want_dbias`) is float32 in the bias's shape,
-    summed over its broadcast axes; else an empty array. Under vmap, one call with the mapped
-    axis folded into the batch."""
+    may be [B, N, 0]: zero, the lse unused); bias and mask as `forward` takes them. dbias (with
+    `want_dbias`) is float32 in the bias's shape, summed over its broadcast axes; else an empty
+    array. Under vmap, one call with the mapped axis folded into the batch."""
     register_targets()
     attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()), deterministic=np.int32(deterministic()))
 

@@ -1,9 +1,9 @@
 """Cost of masks and of the soft cap: `python -m jax_flash.bench --masks`.
 
 One long row (16384 tokens, 16 heads, d = 128 or each of `--head-dims`, bf16 on a GPU; 1024 tokens
-on a CPU) under each mask, timed forward and forward + backward, as a fraction of the causal time. Work should follow
-the unmasked area: a 512-token window is 1/16 of the causal area at 16k, eight packed causal
-documents 1/8, half-length padded keys about 1/4. The soft cap adds a tanh per logit to the
+on a CPU) under each mask, timed forward and forward + backward, as a fraction of the causal time.
+Work should follow the unmasked area: a 512-token window is 1/16 of the causal area at 16k, eight
+packed causal documents 1/8, half-length padded keys about 1/4. The soft cap adds a tanh per logit to the
 causal case, a [T, S] bias or boolean mask (shared by the heads) a load per logit, and a
 learned bias also its gradient (an add per logit into dbias): their fractions are their costs. A
 padding mask hiding the second half of the keys leaves 0.75 of the causal area (the first half of

@@ -216,10 +216,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // the order that every walk over the head's blocks shares (last block first, head by head),
       // so no chain of waits can go round in a circle.
       BwdStep step = BwdStep::first(walk, kv_head * group);
-      // Made where used (the producer has 24 registers): a pointer kept across the step spilled,
-      // and so did 64-bit index math (the index is far below 2^31: B N T / 64 tickets).
+      // Made where used (the producer has 24 registers): a pointer kept across the step spilled.
       auto ticket_of = [&, batch = batch](const BwdStep& at) {
-        return p.dq_tickets + ((batch * p.heads + at.head) * (p.stats_stride / 64) + at.m_block * (kBlockM / 64));
+        return dq_ticket(p, batch * p.heads + at.head, at.m_block, kBlockM);
       };
       int arrivals_before = p.dq_tickets != nullptr && walk.steps > 0 ? atomicAdd(ticket_of(step), 1) : 0;
       for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {

@@ -23,6 +23,13 @@ namespace jax_flash::sm90 {
 // bits; this bit says that the first one's part has landed, so that the others may add theirs.
 constexpr int kDqStored = 1 << 30;
 
+// The ticket of query block m_block (of block_m rows) of (batch * heads + head): one per 64 rows of
+// BwdParams::dq_tickets, at the block's first. In 32 bits: far below 2^31 (B N T / 64 tickets), and
+// 64-bit math spilled in the backward's 24-register dQ thread.
+__host__ __device__ inline int* dq_ticket(const BwdParams& p, int batch_head, int m_block, int block_m) {
+  return p.dq_tickets + (batch_head * (p.stats_stride / 64) + m_block * (block_m / 64));
+}
+
 // kRows x 64 tiles. kTransposed: the consumers hold dQ^T (FlashAttention-3's 80-query steps at
 // H = 128, bwd_kernel.cuh), so in an m64n(kRows) accumulator the 64 rows are columns of dQ and
 // the kRows columns are its rows; the tile keeps that register order all the same.
@@ -60,9 +67,7 @@ __global__ void __launch_bounds__(128) dq_from_tiles(const BwdParams p) {
   if (row0 >= p.seqlen_q) return;
   const int t = threadIdx.x, warp = t / 32, lane = t % 32;
   const float4* tile = reinterpret_cast<const float4*>(p.dq_accum + Tiles::tile(p, batch, head, row_block, col_block));
-  const bool unvisited =
-      p.dq_tickets != nullptr &&
-      p.dq_tickets[int64_t(batch_head) * (p.stats_stride / 64) + row0 / kStepRows * (kStepRows / 64)] == 0;
+  const bool unvisited = p.dq_tickets != nullptr && *dq_ticket(p, batch_head, row0 / kStepRows, kStepRows) == 0;
   const uint32_t staged = ptx::smem_addr(staging);
 #pragma unroll
   for (int c = 0; c < Tiles::kChunks; ++c) {
