@@ -20,7 +20,7 @@ constexpr bool fwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 ||
 // its tiles copy by TMA and fit: dispatch.cu), d = 256 (bwd_wide_kernel.cuh) without a bias or
 // soft cap.
 constexpr bool bwd_sm90_supports(int d, Variant v) {
-  return d == 64 || d == 128 || (d == 256 && v != Variant::kSoftcap && v != Variant::kBias);
+  return d == 64 || d == 128 || (d == 256 && v != Variant::kBias);
 }
 
 // Which kernel family a call may use: the fastest one for the device, or only the mma.sync

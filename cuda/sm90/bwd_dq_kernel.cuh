@@ -6,6 +6,7 @@
 // dQ in registers and writing it once, in the output dtype. It recomputes what it needs:
 //   S = Q K^T,  P = exp2(S * scale * log2 e - lse_log2),  dP = dO V^T,
 //   dS = P (dP - delta) * scale,  dQ += dS K
+// (with a soft cap, S becomes the tanh values and dS takes their slope: logits.cuh)
 // Warp group 0 is the producer (one thread: Q and dO once, K and V per key block into kStages
 // stages, TMA completing on mbarriers). The two consumer warp groups split each key block: keys
 // [32 c, 32 c + 32) go to consumer c, whose dQ (64 x 256 fp32, 128 registers a thread) sums over
@@ -19,6 +20,7 @@
 
 #include <cmath>
 
+#include "common/logits.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
 #include "common/ptx.cuh"
@@ -62,8 +64,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kStages = Cfg::kStages;
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
-  static_assert(kVariant == Variant::kPlain || kVariant == Variant::kMasked, "no cap or bias at d = 256");
-  constexpr bool kMasked = kVariant == Variant::kMasked;
+  static_assert(kVariant != Variant::kBias, "no bias at d = 256");
+  constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
   constexpr int kExchangeBarrier = 1;
 
   extern __shared__ char smem[];
@@ -137,7 +139,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // This thread's rows of the block (accumulator layout), r = 0, 1, and the key of S element i.
   auto row_in_block = [&](int r) { return warp * 16 + r * 8 + lane / 4; };
   auto key_in_half = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
-  const float scale_log2 = p.scale * kLog2e;
+  const auto logits = Logits<cap_of(kVariant)>::from(p);
+  const float scale_log2 = logits.unit * kLog2e;
 
   // Rows past T hold lse_log2 = +inf and delta = 0 (bwd_preprocess), so their P and dS are 0.
   float lse_log2[2], delta[2];
@@ -191,6 +194,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int c = 0; c < kDqChunks; ++c) ptx::fence_registers(dq[c]);
     if (j > 0) ptx::mbarrier_arrive(k_empty((j - 1) % kStages));
 
+    // With a cap, S becomes the tanh values, whose slopes dS takes (made before the masks).
+    float slope[kSoftcap ? kHalfN / 2 : 1];
+    if constexpr (kSoftcap) {
+#pragma unroll
+      for (int i = 0; i < kHalfN / 2; ++i) {
+        s[i] = logits.value(s[i]);
+        slope[i] = logits.slope(s[i]);
+      }
+    }
     // P, masked outside the band, past the keys and across segments.
     if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kHalfN - 1)) {
 #pragma unroll
@@ -213,7 +225,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::mbarrier_arrive(v_empty(stage));
     // dS, packed as the A operand (the accumulator and A layouts agree thread for thread).
 #pragma unroll
-    for (int i = 0; i < kHalfN / 2; ++i) s[i] = s[i] * (dp[i] - delta[(i % 4) / 2]) * p.scale;
+    for (int i = 0; i < kHalfN / 2; ++i) {
+      s[i] = s[i] * (dp[i] - delta[(i % 4) / 2]) * p.scale;
+      if constexpr (kSoftcap) s[i] *= slope[i];
+    }
 #pragma unroll
     for (int kk = 0; kk < kHalfN / 16; ++kk)
 #pragma unroll

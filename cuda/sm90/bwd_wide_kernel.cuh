@@ -15,7 +15,8 @@
 //   its rows of dV^T += dO^T P and dK^T += Q^T dS (dO^T, Q^T read transposed; P, dS as B operands)
 // and the next step's S and dP right behind them. P and dS have two buffers each, so no barrier
 // ends a step.
-// No atomics: deterministic. The soft cap and the bias run the sm80 kernel at this head dim
+// With a soft cap (logits.cuh), S becomes the tanh values and dP - delta takes their slope
+// before the masks. No atomics: deterministic. The bias runs the sm80 kernel at this head dim
 // (dispatch.cu).
 #pragma once
 
@@ -25,6 +26,7 @@
 #include <type_traits>
 
 #include "common/bwd_walk.cuh"
+#include "common/logits.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
 #include "common/ptx.cuh"
@@ -71,8 +73,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kStages = Cfg::kStages;
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
-  static_assert(kVariant == Variant::kPlain || kVariant == Variant::kMasked, "no cap or bias at d = 256");
-  constexpr bool kMasked = kVariant == Variant::kMasked;
+  static_assert(kVariant != Variant::kBias, "no bias at d = 256");
+  constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
   enum : int { kTilesReady = 1, kEpilogue = 2 };  // named barriers (+ consumer)
 
   extern __shared__ char smem[];
@@ -125,7 +127,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int col = accum_col(i) + column_bytes / 2;
     return ptx::sw128_offset(accum_row(i), col / 8) + (col % 8) * 2;
   };
-  const float scale_log2 = p.scale * kLog2e;
+  const auto logits = Logits<cap_of(kVariant)>::from(p);
+  const float scale_log2 = logits.unit * kLog2e;
   const int row0 = consumer * 128;  // this consumer's rows of dV^T and dK^T (head-dim columns)
 
   float dvt[2][32], dkt[2][32];  // two m64 tiles of head-dim rows x 64 keys
@@ -187,6 +190,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto do_step = [&](int s, int q_first, auto issue_next) {
     const int stage = s % kStages;
     const int key_first = k_first + consumer * (kBlockN / 2);  // this consumer's keys
+    // With a cap, S becomes the tanh values and dP - delta takes their slope, before the masks.
+    if constexpr (kSoftcap) {
+      const float delta[2] = {stat(Cfg::kDelta, stage, accum_row(0)), stat(Cfg::kDelta, stage, accum_row(2))};
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        s_acc[i] = logits.value(s_acc[i]);
+        dp_acc[i] = (dp_acc[i] - delta[(i % 4) / 2]) * logits.slope(s_acc[i]);
+      }
+    }
     // P, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
     if (!band.all_visible(q_first, q_first + kBlockM - 1, key_first, key_first + kBlockN / 2 - 1)) {
 #pragma unroll
@@ -203,7 +215,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     const float lse[2] = {stat(Cfg::kLse, stage, accum_row(0)), stat(Cfg::kLse, stage, accum_row(2))};
     const float delta[2] = {stat(Cfg::kDelta, stage, accum_row(0)), stat(Cfg::kDelta, stage, accum_row(2))};
-    // P and dS = P (dP - delta) * scale, into the [query][key] tiles at this consumer's columns.
+    // P and dS = P (dP - delta) * scale (* slope), into the [query][key] tiles at this consumer's
+    // columns.
     const uint32_t column_bytes = consumer * (kBlockN / 2) * 2;
 #pragma unroll
     for (int i = 0; i < 16; i += 2) {
@@ -211,8 +224,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const float p0 = ptx::exp2(s_acc[i] * scale_log2 - lse[r]), p1 = ptx::exp2(s_acc[i + 1] * scale_log2 - lse[r]);
       const uint32_t off = tile_offset(i, column_bytes);
       ptx::st_shared_b32(sP(s) + off, ptx::pack2<T>(p0, p1));
-      ptx::st_shared_b32(sDs(s) + off, ptx::pack2<T>(p0 * (dp_acc[i] - delta[r]) * p.scale,
-                                                     p1 * (dp_acc[i + 1] - delta[r]) * p.scale));
+      if constexpr (kSoftcap) {  // dp_acc holds (dP - delta) * slope
+        ptx::st_shared_b32(sDs(s) + off, ptx::pack2<T>(p0 * dp_acc[i] * p.scale, p1 * dp_acc[i + 1] * p.scale));
+      } else {
+        ptx::st_shared_b32(sDs(s) + off, ptx::pack2<T>(p0 * (dp_acc[i] - delta[r]) * p.scale,
+                                                       p1 * (dp_acc[i + 1] - delta[r]) * p.scale));
+      }
     }
     ptx::fence_proxy_async_shared();  // the stores, before wgmma reads them
     ptx::named_barrier_sync(kTilesReady, kConsumerThreads);
