@@ -17,8 +17,7 @@ constexpr bool bwd_supports_head_dim(int d) { return d == 32 || d == 64 || d == 
 // Head dims of the Hopper kernels; the others run the sm80 kernels on Hopper too.
 constexpr bool fwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 192 || d == 256; }
 // The sm90 backward's instantiations: d = 64 and 128 (with a bias only without a soft cap and where
-// its tiles copy by TMA and fit: dispatch.cu), d = 256 (bwd_wide_kernel.cuh) without a bias or
-// soft cap.
+// its tiles copy by TMA and fit: dispatch.cu), d = 256 (bwd_wide_kernel.cuh) without a bias.
 constexpr bool bwd_sm90_supports(int d, Variant v) {
   return d == 64 || d == 128 || (d == 256 && v != Variant::kBias);
 }
