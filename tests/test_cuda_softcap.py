@@ -51,11 +51,13 @@ def test_auto_mode_runs_softcap_on_the_kernels():
 
 
 @pytest.mark.timing
-def test_softcap_costs_little():
-    """Causal 16k tokens, d = 128: forward + backward with a cap within 30% of without (issue 6
-    asks <= 10%, which `python -m jax_flash.bench --masks` measures; this bound leaves room for
-    timing noise and catches a variant that spills or loses its overlap)."""
-    q, k, v = qkv(rng_for("softcap_speed"), jnp.bfloat16, 1, 16384, 16384, 16, 16, 128)
+@pytest.mark.parametrize("h", [128, 256])
+def test_softcap_costs_little(h):
+    """Causal 16k tokens: forward + backward with a cap within 30% of without (issue 6 asks <= 10%,
+    which `python -m jax_flash.bench --masks` measures: 1.20x at d = 128, 1.03x at d = 256; this
+    bound leaves room for timing noise and catches a variant that spills, loses its overlap or
+    falls back to the mma.sync backward, 1.73x at d = 256)."""
+    q, k, v = qkv(rng_for("softcap_speed"), jnp.bfloat16, 1, 16384, 16384, 2048 // h, 2048 // h, h)
 
     def timed(**kw):
         step = jax.jit(jax.value_and_grad(
