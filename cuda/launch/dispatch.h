@@ -16,11 +16,10 @@ constexpr bool fwd_supports_head_dim(int d) {
 constexpr bool bwd_supports_head_dim(int d) { return d == 32 || d == 64 || d == 96 || d == 128 || d == 256; }
 // Head dims of the Hopper kernels; the others run the sm80 kernels on Hopper too.
 constexpr bool fwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 192 || d == 256; }
-// The sm90 backward's instantiations: d = 64 and 128 (with a bias only without a soft cap and where
-// its tiles copy by TMA and fit: dispatch.cu), d = 256 (bwd_wide_kernel.cuh) without a bias.
-constexpr bool bwd_sm90_supports(int d, Variant v) {
-  return d == 64 || d == 128 || (d == 256 && v != Variant::kBias);
-}
+// The sm90 backward's head dims: 64, 128 and 256 (bwd_wide_kernel.cuh), every variant (with a bias
+// only without a soft cap, and where its tiles copy by TMA and fit or, at d = 256, in pairs of
+// keys: dispatch.cu).
+constexpr bool bwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 256; }
 
 // Which kernel family a call may use: the fastest one for the device, or only the mma.sync
 // (sm80) kernels, which run on every GPU from sm_80 on (to test them on Hopper).

@@ -178,6 +178,9 @@ cudaError_t launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
   sm90::BwdTensorMaps maps;
   if (cudaError_t e = make_bwd_tensor_maps<Cfg>(p, &maps); e != cudaSuccess) return e;
   auto dkdv_kernel = sm90::bwd_wide_kernel<Cfg, kVariant>;
+  if constexpr (kVariant == Variant::kBias) {
+    if (p.dbias != nullptr) dkdv_kernel = sm90::bwd_wide_kernel<Cfg, kVariant, true>;
+  }
   auto dq_kernel = sm90::bwd_dq_kernel<DqCfg, kVariant>;
   if (cudaError_t e = allow_smem(dkdv_kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   if (cudaError_t e = allow_smem(dq_kernel, DqCfg::kSmemBytes); e != cudaSuccess) return e;

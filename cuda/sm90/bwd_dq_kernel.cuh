@@ -6,7 +6,8 @@
 // dQ in registers and writing it once, in the output dtype. It recomputes what it needs:
 //   S = Q K^T,  P = exp2(S * scale * log2 e - lse_log2),  dP = dO V^T,
 //   dS = P (dP - delta) * scale,  dQ += dS K
-// (with a soft cap, S becomes the tanh values and dS takes their slope: logits.cuh)
+// (with a soft cap, S becomes the tanh values and dS takes their slope: logits.cuh; with a bias
+// and boolean mask, kBias without a cap, S takes them as bwd_wide_kernel.cuh's does)
 // Warp group 0 is the producer (one thread: Q and dO once, K and V per key block into kStages
 // stages, TMA completing on mbarriers). The two consumer warp groups split each key block: keys
 // [32 c, 32 c + 32) go to consumer c, whose dQ (64 x 256 fp32, 128 registers a thread) sums over
@@ -20,6 +21,7 @@
 
 #include <cmath>
 
+#include "common/bias.cuh"
 #include "common/logits.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
@@ -64,8 +66,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kStages = Cfg::kStages;
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
-  static_assert(kVariant != Variant::kBias, "no bias at d = 256");
   constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
+  constexpr bool kBias = kVariant == Variant::kBias;  // without a cap (dispatch)
   constexpr int kExchangeBarrier = 1;
 
   extern __shared__ char smem[];
@@ -139,7 +141,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // This thread's rows of the block (accumulator layout), r = 0, 1, and the key of S element i.
   auto row_in_block = [&](int r) { return warp * 16 + r * 8 + lane / 4; };
   auto key_in_half = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
-  const auto logits = Logits<cap_of(kVariant)>::from(p);
+  const auto logits = Logits<kBias ? Cap::kNever : cap_of(kVariant)>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
 
   // Rows past T hold lse_log2 = +inf and delta = 0 (bwd_preprocess), so their P and dS are 0.
@@ -202,6 +204,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         s[i] = logits.value(s[i]);
         slope[i] = logits.slope(s[i]);
       }
+    }
+    if constexpr (kBias) {
+      const int rows[2] = {q_first + row_in_block(0), q_first + row_in_block(1)};
+      add_bias_pairs<T, kHalfN / 8>(LogitBias<T>::from(p, batch, head, logits.unit), s, rows,
+                                    k_first + (lane % 4) * 2);
     }
     // P, masked outside the band, past the keys and across segments.
     if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kHalfN - 1)) {

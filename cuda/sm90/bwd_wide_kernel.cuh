@@ -16,8 +16,9 @@
 // and the next step's S and dP right behind them. P and dS have two buffers each, so no barrier
 // ends a step.
 // With a soft cap (logits.cuh), S becomes the tanh values and dP - delta takes their slope
-// before the masks. No atomics: deterministic. The bias runs the sm80 kernel at this head dim
-// (dispatch.cu).
+// before the masks. With a bias and boolean mask (kBias, no cap: dispatch.cu), each thread adds
+// its elements' from global memory (bias.cuh, pairs of keys), and with kBiasGrad adds
+// P (dP - delta) into dbias with float32 atomics; otherwise no atomics: deterministic.
 #pragma once
 
 #include <cuda.h>
@@ -25,6 +26,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "common/bias.cuh"
 #include "common/bwd_walk.cuh"
 #include "common/logits.cuh"
 #include "common/mask.cuh"
@@ -64,7 +66,7 @@ struct BwdWideConfig {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
-template <typename Cfg, Variant kVariant>
+template <typename Cfg, Variant kVariant, bool kBiasGrad = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     bwd_wide_kernel(const __grid_constant__ BwdTensorMaps maps, const BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -73,8 +75,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kStages = Cfg::kStages;
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
-  static_assert(kVariant != Variant::kBias, "no bias at d = 256");
   constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
+  constexpr bool kBias = kVariant == Variant::kBias;  // without a cap (dispatch)
+  static_assert(kBias || !kBiasGrad, "dbias needs a bias");
   enum : int { kTilesReady = 1, kEpilogue = 2 };  // named barriers (+ consumer)
 
   extern __shared__ char smem[];
@@ -127,7 +130,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int col = accum_col(i) + column_bytes / 2;
     return ptx::sw128_offset(accum_row(i), col / 8) + (col % 8) * 2;
   };
-  const auto logits = Logits<cap_of(kVariant)>::from(p);
+  const auto logits = Logits<kBias ? Cap::kNever : cap_of(kVariant)>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
   const int row0 = consumer * 128;  // this consumer's rows of dV^T and dK^T (head-dim columns)
 
@@ -187,7 +190,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::fence_registers(s_acc);
     ptx::fence_registers(dp_acc);
   }
-  auto do_step = [&](int s, int q_first, auto issue_next) {
+  auto do_step = [&](int s, int q_first, int head, auto issue_next) {
     const int stage = s % kStages;
     const int key_first = k_first + consumer * (kBlockN / 2);  // this consumer's keys
     // With a cap, S becomes the tanh values and dP - delta takes their slope, before the masks.
@@ -198,6 +201,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         s_acc[i] = logits.value(s_acc[i]);
         dp_acc[i] = (dp_acc[i] - delta[(i % 4) / 2]) * logits.slope(s_acc[i]);
       }
+    }
+    if constexpr (kBias) {
+      const int rows[2] = {q_first + accum_row(0), q_first + accum_row(2)};  // this thread's queries
+      add_bias_pairs<T, 4>(LogitBias<T>::from(p, batch, head, logits.unit), s_acc, rows,
+                           key_first + (lane % 4) * 2);
     }
     // P, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
     if (!band.all_visible(q_first, q_first + kBlockM - 1, key_first, key_first + kBlockN / 2 - 1)) {
@@ -230,6 +238,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         ptx::st_shared_b32(sDs(s) + off, ptx::pack2<T>(p0 * (dp_acc[i] - delta[r]) * p.scale,
                                                        p1 * (dp_acc[i + 1] - delta[r]) * p.scale));
       }
+      if constexpr (kBiasGrad) {
+        // d loss / d logit = P (dP - delta), for keys k, k + 1 of row q (k even, S even: both in
+        // or both out); a pair at once where dbias's keys are adjacent and aligned.
+        const BiasGrad grad = BiasGrad::from(p, batch, head);
+        const int q = q_first + accum_row(i), k = key_first + accum_col(i);
+        const float g0 = p0 * (dp_acc[i] - delta[r]), g1 = p1 * (dp_acc[i + 1] - delta[r]);
+        if (q < p.seqlen_q && k < p.seqlen_k && (g0 != 0.f || g1 != 0.f)) {
+          if (grad.col == 1 && grad.row % 2 == 0) {
+            ptx::red_add_f32x2(grad.dbias + q * grad.row + k, g0, g1);
+          } else {
+            grad.add(q, k, g0);
+            grad.add(q, k + 1, g1);
+          }
+        }
+      }
     }
     ptx::fence_proxy_async_shared();  // the stores, before wgmma reads them
     ptx::named_barrier_sync(kTilesReady, kConsumerThreads);
@@ -251,8 +274,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::mbarrier_arrive(barriers.do_empty(stage));
   };
   BwdStep step = BwdStep::first(walk, kv_head * group);
-  for (int s = 0; s < walk.steps - 1; ++s, step.advance(walk)) do_step(s, step.m_block * kBlockM, std::true_type{});
-  if (walk.steps > 0) do_step(walk.steps - 1, step.m_block * kBlockM, std::false_type{});
+  for (int s = 0; s < walk.steps - 1; ++s, step.advance(walk)) {
+    do_step(s, step.m_block * kBlockM, step.head, std::true_type{});
+  }
+  if (walk.steps > 0) do_step(walk.steps - 1, step.m_block * kBlockM, step.head, std::false_type{});
 
   // Epilogue: dK^T and dV^T transposed into this consumer's column panels of the K and V tiles
   // ([key][column], as the dk and dv tensor maps expect; every S and dP has landed before the
