@@ -16,9 +16,9 @@
 // and the next step's S and dP right behind them. P and dS have two buffers each, so no barrier
 // ends a step.
 // With a soft cap (logits.cuh), S becomes the tanh values and dP - delta takes their slope
-// before the masks. With a bias and boolean mask (kBias, no cap: dispatch.cu), each thread adds
-// its elements' from global memory (bias.cuh, pairs of keys), and with kBiasGrad adds
-// P (dP - delta) into dbias with float32 atomics; otherwise no atomics: deterministic.
+// before the masks. With a bias and boolean mask (kBias, no cap: dispatch.cu), each thread reads
+// its elements' bias and mask from global memory (bias.cuh, pairs of keys), and with kBiasGrad
+// adds P (dP - delta) into dbias with float32 atomics; otherwise no atomics: deterministic.
 #pragma once
 
 #include <cuda.h>
@@ -240,7 +240,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       if constexpr (kBiasGrad) {
         // d loss / d logit = P (dP - delta), for keys k, k + 1 of row q (k even, S even: both in
-        // or both out); a pair at once where dbias's keys are adjacent and aligned.
+        // or both out); a pair at once where dbias's keys are adjacent (its other strides are then
+        // multiples of its even rows, so the pair is 8-byte aligned).
         const BiasGrad grad = BiasGrad::from(p, batch, head);
         const int q = q_first + accum_row(i), k = key_first + accum_col(i);
         const float g0 = p0 * (dp_acc[i] - delta[r]), g1 = p1 * (dp_acc[i + 1] - delta[r]);
