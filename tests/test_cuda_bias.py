@@ -13,6 +13,7 @@ from tests import reference
 from tests.cases import qkv, rng_for
 from tests.test_cuda import GRAD_TOL, _custom_call_targets, check, poison_free_memory
 from tests.test_cuda_masks import _lengths, _packed
+from tests.timing import rested_seconds
 
 pytestmark = pytest.mark.gpu
 
@@ -123,6 +124,50 @@ def test_bias_tiles_of_the_hopper_kernels(h, case):
         check(dtype, b, t, s, n, kv_heads, h, **cases)
     else:
         check_with_bias(dtype, b, t, s, n, kv_heads, h, bias, **cases)
+
+
+@pytest.mark.parametrize("h", [64, 128, 192, 256])
+@pytest.mark.parametrize("case", ["learned_bias_causal", "fixed_bias_window", "mask_lengths"])
+def test_bias_with_softcap_on_the_hopper_backward(h, case):
+    """Bias or mask together with a soft cap, in layouts the sm90 backward takes (its capped bias
+    kernels: the cap before the bias, whose gradient takes d logit without the tanh's slopes);
+    Gemma 2's cap with a [B, 1, T, S] mask is the common case. SATURATING's cap of 5 at scale 0.5
+    puts many logits on the tanh's flat part."""
+    rng = rng_for("bias_softcap", case, h)
+    b, t, s, n = 2, 333, 720, 4
+    cases = {
+        "learned_bias_causal": dict(bias=_bias(rng, (1, n, t, s), jnp.bfloat16), is_causal=True),
+        "fixed_bias_window": dict(bias=_bias(rng, (b, 1, t, s)), local_window_size=(100, 30)),
+        "mask_lengths": dict(mask=_mask(rng, (b, 1, t, s)), key_value_seq_lengths=_lengths(rng, b, s)),
+    }[case]
+    bias = cases.pop("bias", None)
+    if bias is None:
+        check(jnp.bfloat16, b, t, s, n, 2, h, softcap=5.0, scale=0.5, **cases)
+    elif case == "learned_bias_causal":
+        check_with_bias(jnp.bfloat16, b, t, s, n, 2, h, bias, softcap=5.0, scale=0.5, **cases)
+    else:  # the bias not differentiated: the kernels without dbias
+        check(jnp.bfloat16, b, t, s, n, 2, h, bias=bias, softcap=5.0, scale=0.5, **cases)
+
+
+@pytest.mark.timing
+@pytest.mark.parametrize("h", [128, 256])
+def test_softcap_with_bias_costs_little(h):
+    """A [T, S] bias at 8k causal tokens: forward + backward with a soft cap within 1.3x of
+    without. Catches the capped bias backward falling back to the mma.sync kernels (2-3x the
+    wgmma ones with a bias) or losing its registers to spills."""
+    t = 8192
+    rng = rng_for("bias_softcap_speed", h)
+    q, k, v = qkv(rng, jnp.bfloat16, 1, t, t, 2048 // h, 2048 // h, h)
+    bias = _bias(rng, (1, 1, t, t), jnp.bfloat16)
+
+    def timed(**kw):
+        step = jax.jit(jax.value_and_grad(
+            lambda q, k, v: jax_flash.attention(q, k, v, bias, implementation="cuda", is_causal=True, **kw)
+            .astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+        return rested_seconds(step, (q, k, v))
+
+    capped, plain = timed(softcap=30.0), timed()
+    assert capped < 1.3 * plain, f"softcap with bias {capped * 1e3:.1f} ms against {plain * 1e3:.1f} ms"
 
 
 def test_fully_masked_rows_give_zero_and_no_nan():

@@ -156,6 +156,18 @@ struct BiasGrad {
   __device__ __forceinline__ void add(int q, int k, float value) const {
     atomicAdd(dbias + q * row + k * col, value);
   }
+  // Those of keys k, k + 1 (k even) of query q, nothing where both are 0 (masked); one request
+  // where dbias's keys are adjacent (its other strides are then multiples of its even rows, so
+  // the pair is 8-byte aligned).
+  __device__ __forceinline__ void add_pair(int q, int k, float value0, float value1) const {
+    if (value0 == 0.f && value1 == 0.f) return;
+    if (col == 1 && row % 2 == 0) {
+      ptx::red_add_f32x2(dbias + q * row + k, value0, value1);
+    } else {
+      add(q, k, value0);
+      add(q, k + 1, value1);
+    }
+  }
 };
 
 }  // namespace jax_flash

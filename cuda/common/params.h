@@ -19,7 +19,8 @@ struct MaskChunk {
 // none), kMasked reads sequence lengths and segment ids, kSoftcap is kMasked plus the soft cap.
 // kBias reads everything: kMasked's masks, the soft cap when one is set, and an additive bias and
 // boolean mask over [B, N, T, S] (the sm90 forward in the pairs layout only, bias.cuh; the sm90
-// backward at d = 128 in layouts TMA copies, sm90/bwd_bias_tiles.cuh; the sm80 kernels always).
+// backward at d = 64 and 128 in layouts TMA copies, sm90/bwd_bias_tiles.cuh, at d = 256 in the
+// pairs layout, its soft cap in kernels of their own; the sm80 kernels always).
 // Separate instantiations keep the common calls' kernels free of the others' registers.
 enum class Variant { kPlain, kMasked, kSoftcap, kBias };
 

@@ -76,14 +76,14 @@ cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
     if constexpr (bwd_sm90_supports_head_dim(kHeadDim)) {
-      // The sm90 backward does not cap a biased logit; it stages the bias by TMA (BwdBiasTiles),
-      // or at d = 256 reads it in pairs of keys (bias.cuh).
+      // The sm90 backward stages the bias by TMA (BwdBiasTiles), or at d = 256 reads it in pairs
+      // of keys (bias.cuh).
       bool bias_ok = kVariant != Variant::kBias;
       if constexpr (kVariant == Variant::kBias) {
         if constexpr (kHeadDim == 256) {
-          bias_ok = p.softcap == 0.f && bias_in_pairs(p);
+          bias_ok = bias_in_pairs(p);
         } else {
-          bias_ok = p.softcap == 0.f && sm90::BwdBiasTiles<kHeadDim>::of(p, sizeof(T)).stages > 0;
+          bias_ok = sm90::BwdBiasTiles<kHeadDim>::of(p, sizeof(T)).stages > 0;
         }
       }
       if (sm90 && bias_ok) return run_bwd_sm90<T, kHeadDim, kVariant>(p, stream);

@@ -155,8 +155,12 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   sm90::BwdTensorMaps maps;
   if (cudaError_t e = make_bwd_tensor_maps<Cfg>(p, &maps); e != cudaSuccess) return e;
   auto kernel = sm90::bwd_kernel<Cfg, kVariant>;
-  if constexpr (kVariant == Variant::kBias) {
-    if (p.dbias != nullptr) kernel = sm90::bwd_kernel<Cfg, kVariant, true>;
+  if constexpr (kVariant == Variant::kBias) {  // with dbias or not, capped or not
+    if (p.softcap > 0.f) {
+      kernel = p.dbias != nullptr ? sm90::bwd_kernel<Cfg, kVariant, true, true> : sm90::bwd_kernel<Cfg, kVariant, false, true>;
+    } else if (p.dbias != nullptr) {
+      kernel = sm90::bwd_kernel<Cfg, kVariant, true>;
+    }
   }
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);
@@ -178,10 +182,16 @@ cudaError_t launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
   sm90::BwdTensorMaps maps;
   if (cudaError_t e = make_bwd_tensor_maps<Cfg>(p, &maps); e != cudaSuccess) return e;
   auto dkdv_kernel = sm90::bwd_wide_kernel<Cfg, kVariant>;
-  if constexpr (kVariant == Variant::kBias) {
-    if (p.dbias != nullptr) dkdv_kernel = sm90::bwd_wide_kernel<Cfg, kVariant, true>;
-  }
   auto dq_kernel = sm90::bwd_dq_kernel<DqCfg, kVariant>;
+  if constexpr (kVariant == Variant::kBias) {  // with dbias or not, capped or not
+    if (p.softcap > 0.f) {
+      dkdv_kernel = p.dbias != nullptr ? sm90::bwd_wide_kernel<Cfg, kVariant, true, true>
+                                       : sm90::bwd_wide_kernel<Cfg, kVariant, false, true>;
+      dq_kernel = sm90::bwd_dq_kernel<DqCfg, kVariant, true>;
+    } else if (p.dbias != nullptr) {
+      dkdv_kernel = sm90::bwd_wide_kernel<Cfg, kVariant, true>;
+    }
+  }
   if (cudaError_t e = allow_smem(dkdv_kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   if (cudaError_t e = allow_smem(dq_kernel, DqCfg::kSmemBytes); e != cudaSuccess) return e;
   const dim3 dkdv_grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);

@@ -7,7 +7,7 @@
 //   S = Q K^T,  P = exp2(S * scale * log2 e - lse_log2),  dP = dO V^T,
 //   dS = P (dP - delta) * scale,  dQ += dS K
 // (with a soft cap, S becomes the tanh values and dS takes their slope: logits.cuh; with a bias
-// and boolean mask, kBias without a cap, S takes them as bwd_wide_kernel.cuh's does)
+// and boolean mask, kBias, S takes them after the cap, as bwd_wide_kernel.cuh's does)
 // Warp group 0 is the producer (one thread: Q and dO once, K and V per key block into kStages
 // stages, TMA completing on mbarriers). The two consumer warp groups split each key block: keys
 // [32 c, 32 c + 32) go to consumer c, whose dQ (64 x 256 fp32, 128 registers a thread) sums over
@@ -57,7 +57,8 @@ struct BwdDqConfig {
 
 // The launcher builds these maps for bwd_wide_kernel (boxes of 64 rows for q, dO, k and v), which
 // are the boxes this kernel loads: it takes the same BwdTensorMaps.
-template <typename Cfg, Variant kVariant>
+// kBiasCapped (kBias only): the call has a soft cap (a kernel of its own, as bwd_wide_kernel's).
+template <typename Cfg, Variant kVariant, bool kBiasCapped = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     bwd_dq_kernel(const __grid_constant__ BwdTensorMaps maps, const BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -67,7 +68,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
-  constexpr bool kBias = kVariant == Variant::kBias;  // without a cap (dispatch)
+  constexpr bool kBias = kVariant == Variant::kBias;
+  constexpr bool kCapped = kSoftcap || kBiasCapped;
+  static_assert(kBias || !kBiasCapped, "kBiasCapped needs a bias");
   constexpr int kExchangeBarrier = 1;
 
   extern __shared__ char smem[];
@@ -141,7 +144,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // This thread's rows of the block (accumulator layout), r = 0, 1, and the key of S element i.
   auto row_in_block = [&](int r) { return warp * 16 + r * 8 + lane / 4; };
   auto key_in_half = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
-  const auto logits = Logits<kBias ? Cap::kNever : cap_of(kVariant)>::from(p);
+  const auto logits = Logits<kCapped ? Cap::kAlways : Cap::kNever>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
 
   // Rows past T hold lse_log2 = +inf and delta = 0 (bwd_preprocess), so their P and dS are 0.
@@ -196,9 +199,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int c = 0; c < kDqChunks; ++c) ptx::fence_registers(dq[c]);
     if (j > 0) ptx::mbarrier_arrive(k_empty((j - 1) % kStages));
 
-    // With a cap, S becomes the tanh values, whose slopes dS takes (made before the masks).
-    float slope[kSoftcap ? kHalfN / 2 : 1];
-    if constexpr (kSoftcap) {
+    // With a cap (before the bias), S becomes the tanh values, whose slopes dS takes (made before
+    // the masks).
+    float slope[kCapped ? kHalfN / 2 : 1];
+    if constexpr (kCapped) {
 #pragma unroll
       for (int i = 0; i < kHalfN / 2; ++i) {
         s[i] = logits.value(s[i]);
@@ -234,7 +238,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < kHalfN / 2; ++i) {
       s[i] = s[i] * (dp[i] - delta[(i % 4) / 2]) * p.scale;
-      if constexpr (kSoftcap) s[i] *= slope[i];
+      if constexpr (kCapped) s[i] *= slope[i];
     }
 #pragma unroll
     for (int kk = 0; kk < kHalfN / 16; ++kk)

@@ -111,7 +111,9 @@ struct BwdConfig {
 
 // kVariant (params.h): which of the masks (mask.cuh) and the soft cap (logits.cuh) are read.
 // kBiasGrad (kBias only): dbias gets d logit; a kernel of its own, for the registers its adds take.
-template <typename Cfg, Variant kVariant, bool kBiasGrad = false>
+// kBiasCapped (kBias only): the call has a soft cap; a kernel of its own, for the registers its
+// slopes take (with them, the uncapped bias kernels spilled 54-254 bytes).
+template <typename Cfg, Variant kVariant, bool kBiasGrad = false, bool kBiasCapped = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     bwd_kernel(const __grid_constant__ BwdTensorMaps maps, const BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -121,18 +123,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
-  constexpr bool kBias = kVariant == Variant::kBias;  // without a cap (dispatch)
-  static_assert(kBias || !kBiasGrad, "dbias needs a bias");
+  constexpr bool kBias = kVariant == Variant::kBias;
+  static_assert(kBias || (!kBiasGrad && !kBiasCapped), "dbias and kBiasCapped need a bias");
+  // A capped step (kCappedStep) waits for dP^T as well as S^T before its softmax, and takes
+  // dP^T - delta there, times the tanh's slopes, except where dbias wants d logit without them
+  // (kSlopesApart): there the slopes wait for dS^T in registers, as packed pairs.
+  constexpr bool kCappedStep = kSoftcap || kBiasCapped, kSlopesApart = kBiasCapped && kBiasGrad;
   // Key blocks with the longest walks start first (BwdCta): 3-4% on causal rows of 4k-8k tokens
   // (9% with a soft cap), level elsewhere (docs/PERF.md, B19).
   // Not where the remap's registers spill: at 80-query steps (which run no band, so that every
   // order does as well) and in the capped H = 64 kernel.
-  constexpr bool kLongestFirst = kBlockM != 80 && !(kSoftcap && kHeadDim == 64);
+  constexpr bool kLongestFirst = kBlockM != 80 && !(kCappedStep && kHeadDim == 64);
   // dV is issued once dS^T is in shared memory (FlashAttention-3's order), so that dS^T follows
   // dP^T's landing at once, and the thread index is read ahead of where it is needed (below): 1-3%
   // faster without a cap (docs/PERF.md, B20). With a cap (whose step waits for dP^T before the
   // softmax), the two together were 2.5-4% slower, so the capped kernels keep the order before.
-  constexpr bool kDvAfterDs = !kSoftcap, kThreadIndexAhead = !kSoftcap;
+  constexpr bool kDvAfterDs = !kCappedStep, kThreadIndexAhead = !kCappedStep;
   // At H = 64 (128-query steps) dV goes out after dQ, not before: dQ's part then reaches shared
   // memory while dV and dK run, 2-3% faster (B21). At H = 128 it was 1-2% slower, and at 80-query
   // steps P^T, live until dV lands, spilled. (Measured in the plain kernels only.)
@@ -288,7 +294,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // where the register made H = 64 spill): rebuilt each step from the thread index, its S2R held
   // up the step's first product.
   uint32_t stats_offset = accum_col(0) * 4;
-  if constexpr (!kSoftcap) asm volatile("" : "+r"(stats_offset));
+  if constexpr (!kCappedStep) asm volatile("" : "+r"(stats_offset));
   // Where this thread's lane addresses dS's 8 x 8 tiles for stmatrix (see the dS^T loop), in the
   // buffer: kept in registers like stats_offset, except at 80-query steps, where they spilled: there
   // they are rebuilt each step from the thread index, read when S^T lands so that the S2R's latency
@@ -312,8 +318,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
   };
   ds_offsets(warp, lane);
-  if constexpr (!kSoftcap && !Cfg::kDqTransposed) asm volatile("" : "+r"(ds_lane_offset), "+r"(ds_chunk_bits));
-  const auto logits = Logits<kBias ? Cap::kNever : cap_of(kVariant)>::from(p);
+  if constexpr (!kCappedStep && !Cfg::kDqTransposed) asm volatile("" : "+r"(ds_lane_offset), "+r"(ds_chunk_bits));
+  const auto logits = Logits<kSoftcap || kBiasCapped ? Cap::kAlways : Cap::kNever>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];  // m64 x H: keys x columns
@@ -360,7 +366,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // = values of columns accum_col(4 n), accum_col(4 n) + 1.
     auto stats_of_tile = [&](uint32_t stats, int n) {
       const char* stage_stats = base + (stats - base_addr);
-      if constexpr (kSoftcap) {
+      if constexpr (kCappedStep) {
         // The same address from accum_col: with a cap, this form (not stats_offset + n * 32) is the
         // one that keeps the H = 64 kernel free of spills.
         return *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(stage_stats) + accum_col(4 * n));
@@ -374,7 +380,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // lse is read into registers before S^T is issued, except with a cap or 128-query steps, which
     // have no registers for it: read behind the products, the loads queued behind their operand
     // reads in shared memory, and the exp2 waited for them (8% of the stall samples at 80 queries).
-    constexpr bool kEarlyLse = !kSoftcap && kBlockM <= 80;
+    constexpr bool kEarlyLse = !kCappedStep && kBlockM <= 80;
     float2 lse[kBlockM / 8];
     if constexpr (kEarlyLse) {
       ptx::mbarrier_wait(barriers.q_full(stage), (s / kStages) & 1);
@@ -386,13 +392,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     issue_transposed(dpt, sV, sDo(stage), barriers.do_full(stage), s);
 
     // P^T, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
-    ptx::wgmma_wait<kSoftcap ? 0 : 1>();
+    ptx::wgmma_wait<kCappedStep ? 0 : 1>();
     ptx::fence_registers(st);
     const uint32_t tid_early = kThreadIndexAhead && Cfg::kDqTransposed ? ptx::thread_index() % 128 : 0;
-    if constexpr (kSoftcap) {
-      // S^T becomes the tanh values (logits.cuh). This variant waits for dP^T as well, so that
-      // the tanh slopes go straight into it: dpt = (dP^T - delta) * slope. Kept apart until
-      // dS^T, the slopes would take 32-64 more registers and spill.
+    // kSlopesApart: the tanh's slopes, packed pairs of elements 2 i, 2 i + 1.
+    [[maybe_unused]] uint32_t slopes[kSlopesApart ? kSRegs / 2 : 1];
+    if constexpr (kCappedStep) {
+      // S^T becomes the tanh values (logits.cuh), and dpt = (dP^T - delta) * slope. The slopes go
+      // straight into dP^T: kept apart until dS^T (as floats), they took 32-64 more registers and
+      // spilled.
       ptx::fence_registers(dpt);
 #pragma unroll
       for (int n = 0; n < kBlockM / 8; ++n) {
@@ -403,7 +411,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
         for (int i = 4 * n; i < 4 * n + 4; ++i) {
           st[i] = logits.value(st[i]);
-          dpt[i] = (dpt[i] - (i % 2 ? d.y : d.x)) * logits.slope(st[i]);
+          dpt[i] = dpt[i] - (i % 2 ? d.y : d.x);
+          if constexpr (!kSlopesApart) dpt[i] *= logits.slope(st[i]);
+        }
+        if constexpr (kSlopesApart) {
+          slopes[2 * n] = ptx::pack2<T>(logits.slope(st[4 * n]), logits.slope(st[4 * n + 1]));
+          slopes[2 * n + 1] = ptx::pack2<T>(logits.slope(st[4 * n + 2]), logits.slope(st[4 * n + 3]));
         }
       }
     }
@@ -442,7 +455,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // into dpt above). Read where dS^T needed them, at 80-query steps the FMULs that then scaled
     // them were 6% of the stall samples.
     float2 delta[kBlockM / 8];  // unused with a cap
-    if constexpr (!kSoftcap) load_stats(sDelta(stage), delta);
+    if constexpr (!kCappedStep) load_stats(sDelta(stage), delta);
 
     // dV += P^T dO, here or after dS^T (kDvAfterDs).
     auto issue_dv = [&] {
@@ -510,10 +523,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int j = 0; j < 4; ++j) {
         const int i = 8 * kk + 2 * j;  // elements i, i + 1: one row, two adjacent queries
         float2 ds = {dpt[i], dpt[i + 1]};
-        if constexpr (!kSoftcap) ds = {ds.x - delta[i / 4].x, ds.y - delta[i / 4].y};
+        if constexpr (!kCappedStep) ds = {ds.x - delta[i / 4].x, ds.y - delta[i / 4].y};
         if constexpr (kBiasGrad) {
           const float2 prob = ptx::unpack2<T>(pa[kk][j]);
           grad[j] = {prob.x * ds.x, prob.y * ds.y};
+        }
+        if constexpr (kSlopesApart) {
+          const float2 slope = ptx::unpack2<T>(slopes[i / 2]);
+          ds = {ds.x * slope.x, ds.y * slope.y};
         }
         if constexpr (std::is_same_v<T, __nv_bfloat16>) {
           // The product of the packed pairs: three instructions a pair fewer (no unpacking of P,

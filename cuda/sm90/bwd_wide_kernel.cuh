@@ -16,9 +16,10 @@
 // and the next step's S and dP right behind them. P and dS have two buffers each, so no barrier
 // ends a step.
 // With a soft cap (logits.cuh), S becomes the tanh values and dP - delta takes their slope
-// before the masks. With a bias and boolean mask (kBias, no cap: dispatch.cu), each thread reads
-// its elements' bias and mask from global memory (bias.cuh, pairs of keys), and with kBiasGrad
-// adds P (dP - delta) into dbias with float32 atomics; otherwise no atomics: deterministic.
+// before the masks. With a bias and boolean mask (kBias), each thread reads its elements' bias
+// and mask from global memory (bias.cuh, pairs of keys), after the cap when the call has one, and
+// with kBiasGrad adds P (dP - delta) into dbias with float32 atomics; otherwise no atomics:
+// deterministic.
 #pragma once
 
 #include <cuda.h>
@@ -66,7 +67,9 @@ struct BwdWideConfig {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
-template <typename Cfg, Variant kVariant, bool kBiasGrad = false>
+// kBiasGrad, kBiasCapped (kBias only): dbias wanted, a soft cap; kernels of their own
+// (bwd_kernel.cuh says why).
+template <typename Cfg, Variant kVariant, bool kBiasGrad = false, bool kBiasCapped = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     bwd_wide_kernel(const __grid_constant__ BwdTensorMaps maps, const BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -76,8 +79,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
-  constexpr bool kBias = kVariant == Variant::kBias;  // without a cap (dispatch)
-  static_assert(kBias || !kBiasGrad, "dbias needs a bias");
+  constexpr bool kBias = kVariant == Variant::kBias;
+  static_assert(kBias || (!kBiasGrad && !kBiasCapped), "dbias and kBiasCapped need a bias");
   enum : int { kTilesReady = 1, kEpilogue = 2 };  // named barriers (+ consumer)
 
   extern __shared__ char smem[];
@@ -130,7 +133,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int col = accum_col(i) + column_bytes / 2;
     return ptx::sw128_offset(accum_row(i), col / 8) + (col % 8) * 2;
   };
-  const auto logits = Logits<kBias ? Cap::kNever : cap_of(kVariant)>::from(p);
+  const auto logits = Logits<kSoftcap || kBiasCapped ? Cap::kAlways : Cap::kNever>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
   const int row0 = consumer * 128;  // this consumer's rows of dV^T and dK^T (head-dim columns)
 
@@ -202,6 +205,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         dp_acc[i] = (dp_acc[i] - delta[(i % 4) / 2]) * logits.slope(s_acc[i]);
       }
     }
+    // kBiasCapped: the cap comes before the bias, and its slopes are kept apart, as dbias takes
+    // d logit = P (dP - delta) without them.
+    [[maybe_unused]] float slope[kBiasCapped ? 16 : 1];
+    if constexpr (kBiasCapped) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        s_acc[i] = logits.value(s_acc[i]);
+        slope[i] = logits.slope(s_acc[i]);
+      }
+    }
     if constexpr (kBias) {
       const int rows[2] = {q_first + accum_row(0), q_first + accum_row(2)};  // this thread's queries
       add_bias_pairs<T, 4>(LogitBias<T>::from(p, batch, head, logits.unit), s_acc, rows,
@@ -234,24 +247,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::st_shared_b32(sP(s) + off, ptx::pack2<T>(p0, p1));
       if constexpr (kSoftcap) {  // dp_acc holds (dP - delta) * slope
         ptx::st_shared_b32(sDs(s) + off, ptx::pack2<T>(p0 * dp_acc[i] * p.scale, p1 * dp_acc[i + 1] * p.scale));
-      } else {
+      } else if constexpr (!kBias) {
         ptx::st_shared_b32(sDs(s) + off, ptx::pack2<T>(p0 * (dp_acc[i] - delta[r]) * p.scale,
                                                        p1 * (dp_acc[i + 1] - delta[r]) * p.scale));
-      }
-      if constexpr (kBiasGrad) {
-        // d loss / d logit = P (dP - delta), for keys k, k + 1 of row q (k even, S even: both in
-        // or both out); a pair at once where dbias's keys are adjacent (its other strides are then
-        // multiples of its even rows, so the pair is 8-byte aligned).
-        const BiasGrad grad = BiasGrad::from(p, batch, head);
-        const int q = q_first + accum_row(i), k = key_first + accum_col(i);
+      } else {
+        // d loss / d logit; dS takes the cap's slopes and the scale.
         const float g0 = p0 * (dp_acc[i] - delta[r]), g1 = p1 * (dp_acc[i + 1] - delta[r]);
-        if (q < p.seqlen_q && k < p.seqlen_k && (g0 != 0.f || g1 != 0.f)) {
-          if (grad.col == 1 && grad.row % 2 == 0) {
-            ptx::red_add_f32x2(grad.dbias + q * grad.row + k, g0, g1);
-          } else {
-            grad.add(q, k, g0);
-            grad.add(q, k + 1, g1);
-          }
+        if constexpr (kBiasCapped) {
+          ptx::st_shared_b32(sDs(s) + off, ptx::pack2<T>(g0 * slope[i] * p.scale, g1 * slope[i + 1] * p.scale));
+        } else {
+          ptx::st_shared_b32(sDs(s) + off, ptx::pack2<T>(g0 * p.scale, g1 * p.scale));
+        }
+        if constexpr (kBiasGrad) {
+          // keys k, k + 1 of row q (k even, S even: both in or both out)
+          const int q = q_first + accum_row(i), k = key_first + accum_col(i);
+          if (q < p.seqlen_q && k < p.seqlen_k) BiasGrad::from(p, batch, head).add_pair(q, k, g0, g1);
         }
       }
     }
