@@ -157,7 +157,8 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   auto kernel = sm90::bwd_kernel<Cfg, kVariant>;
   if constexpr (kVariant == Variant::kBias) {  // with dbias or not, capped or not
     if (p.softcap > 0.f) {
-      kernel = p.dbias != nullptr ? sm90::bwd_kernel<Cfg, kVariant, true, true> : sm90::bwd_kernel<Cfg, kVariant, false, true>;
+      kernel = p.dbias != nullptr ? sm90::bwd_kernel<Cfg, kVariant, true, true>
+                                  : sm90::bwd_kernel<Cfg, kVariant, false, true>;
     } else if (p.dbias != nullptr) {
       kernel = sm90::bwd_kernel<Cfg, kVariant, true>;
     }
