@@ -17,8 +17,7 @@ constexpr bool bwd_supports_head_dim(int d) { return d == 32 || d == 64 || d == 
 // Head dims of the Hopper kernels; the others run the sm80 kernels on Hopper too.
 constexpr bool fwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 192 || d == 256; }
 // The sm90 backward's head dims: 64, 128 and 256 (bwd_wide_kernel.cuh), every variant (with a bias
-// only without a soft cap, and where its tiles copy by TMA and fit or, at d = 256, in pairs of
-// keys: dispatch.cu).
+// only where its tiles copy by TMA and fit or, at d = 256, in pairs of keys: dispatch.cu).
 constexpr bool bwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 256; }
 
 // Which kernel family a call may use: the fastest one for the device, or only the mma.sync
