@@ -32,6 +32,26 @@ def test_chunk_ranges_cover_every_visible_pair(t, s, sorted_ids):
     _pairs_covered(q_seg, kv_seg, masks)
 
 
+@pytest.mark.parametrize("t,s", [(64, 64), (100, 300), (1000, 999)])
+def test_chunk_ranges_are_the_first_and_last_meeting_chunks(t, s):
+    """Against a loop over chunk pairs: each range runs from the first chunk of the other side
+    whose segment id range meets this chunk's to the end of the last one (not wider)."""
+    rng = rng_for("tight chunks", t, s)
+    # ids that drift along the row, a few apart in a chunk: chunks far apart do not meet
+    drift = lambda n: np.arange(n) // 20 + rng.integers(0, 3, size=(2, n))  # noqa: E731
+    q_seg, kv_seg = drift(t), drift(s)
+    masks = kernel_masks(2, t, s, None, None, jnp.asarray(q_seg), jnp.asarray(kv_seg))
+    for chunks, own, other, other_length in ((masks.q_chunks, q_seg, kv_seg, s), (masks.kv_chunks, kv_seg, q_seg, t)):
+        for b in range(2):
+            spans = [(x[i:i + CHUNK].min(), x[i:i + CHUNK].max()) for x in (own[b],) for i in range(0, len(x), CHUNK)]
+            other_spans = [(other[b][j:j + CHUNK].min(), other[b][j:j + CHUNK].max())
+                           for j in range(0, other_length, CHUNK)]
+            for c, (low, high) in enumerate(spans):
+                meeting = [j for j, (lo, hi) in enumerate(other_spans) if low <= hi and lo <= high]
+                want = (meeting[0] * CHUNK, min((meeting[-1] + 1) * CHUNK, other_length)) if meeting else (0, 0)
+                assert tuple(np.asarray(chunks)[b, c]) == (low, high, *want)
+
+
 def test_packed_documents_skip_other_documents():
     """Four documents of 256 tokens: a query chunk's key range is its own document only."""
     seg = np.repeat(np.arange(4), 256)[None]
