@@ -17,8 +17,10 @@
 #   the sanitize step: compute-sanitizer memcheck and racecheck on every kernel of a forward and
 #   backward, causal and not, tails included (not part of all); SANITIZE_KERNEL=name limits them
 #   to kernels whose name contains it; MASKS=1 runs them with lengths and segment ids (the masked
-#   kernels), SOFTCAP=c with that soft cap (the softcap kernels), BIAS=1 with a differentiated bias
-#   (the bias kernels; with MASKS=1 also a boolean mask); SANITIZE_TOOLS="memcheck" runs only that tool
+#   kernels), LENGTHS=1 with lengths alone (the masked kernels without segments: d = 64's
+#   192-row tiles), SOFTCAP=c with that soft cap (the softcap kernels), BIAS=1 with a
+#   differentiated bias (the bias kernels; with MASKS=1 also a boolean mask); SANITIZE_TOOLS="memcheck"
+#   runs only that tool
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
@@ -82,7 +84,7 @@ if [[ $step == sanitize ]]; then
       echo "== $tool ${causal:-non-causal}" | tee -a "$OUT/sanitize.log"
       compute-sanitizer --tool $tool ${SANITIZE_KERNEL:+--kernel-name "kns=$SANITIZE_KERNEL"} --error-exitcode 1 \
         $PY scripts/profile_once.py --head-dim ${SANITIZE_HEAD_DIM:-128} --seqlen 1000 --tokens 2000 $causal \
-        ${MASKS:+--masks} ${SOFTCAP:+--softcap $SOFTCAP} ${BIAS:+--bias} \
+        ${MASKS:+--masks} ${LENGTHS:+--lengths} ${SOFTCAP:+--softcap $SOFTCAP} ${BIAS:+--bias} \
         >> "$OUT/sanitize.log" 2>&1 && echo clean | tee -a "$OUT/sanitize.log" || echo "ERRORS (see sanitize.log)"
     done
   done

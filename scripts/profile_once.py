@@ -20,6 +20,8 @@ parser.add_argument("--causal", action="store_true")
 parser.add_argument("--tokens", type=int, default=16384, help="batch x seqlen (rounded up)")
 parser.add_argument("--masks", action="store_true",
                     help="sequence lengths and four packed documents a row (the masked kernels)")
+parser.add_argument("--lengths", action="store_true",
+                    help="sequence lengths alone (the masked kernels without segment ids)")
 parser.add_argument("--softcap", type=float, default=None, help="logit soft cap (the softcap kernels)")
 parser.add_argument("--window", type=int, default=None, help="local window: this many keys to the left")
 parser.add_argument("--bias", action="store_true",
@@ -38,6 +40,10 @@ if args.masks:
     lengths = jnp.full((batch,), seqlen, jnp.int32).at[-1].set(seqlen * 2 // 3)
     masks = dict(q_segment_ids=documents, kv_segment_ids=documents, query_seq_lengths=lengths,
                  key_value_seq_lengths=lengths.at[0].set(seqlen - 100))
+if args.lengths:
+    batch, seqlen = dims[:2]
+    lengths = jnp.full((batch,), seqlen, jnp.int32).at[-1].set(seqlen * 2 // 3)
+    masks = dict(query_seq_lengths=lengths, key_value_seq_lengths=lengths.at[0].set(seqlen - 100))
 
 
 window = None if args.window is None else (args.window, 0 if args.causal else args.window)

@@ -56,6 +56,15 @@ def test_sequence_lengths(h, kw):
     check(jnp.bfloat16, b, t, s, 4, 2, h, **masks)
 
 
+@pytest.mark.parametrize("t,s", [(8192, 8192), (9000, 8200)])
+def test_long_causal_rows_with_lengths_at_64(t, s):
+    """d = 64 causal rows of 8192 queries and more with lengths take the masked kernel's 192-row
+    tiles (run_sm90.cuh); the non-causal lengths above take them at any length."""
+    rng = rng_for("long lengths", t, s)
+    check(jnp.bfloat16, 2, t, s, 2, 1, 64, is_causal=True, query_seq_lengths=_lengths(rng, 2, t),
+          key_value_seq_lengths=_lengths(rng, 2, s))
+
+
 @pytest.mark.parametrize("h", [64, 128, 256])
 @pytest.mark.parametrize("kw", ["packed", "packed_causal", "unsorted", "with_lengths_window"])
 def test_segment_ids(h, kw):

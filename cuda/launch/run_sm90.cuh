@@ -92,13 +92,14 @@ template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // H = 64: 192-row tiles without a band, +0-8% at 2k-16k (docs/PERF.md, H5). With one, 128-row
   // tiles waste less on the diagonal; the 192-row tiles still win on long causal rows (+4-6% at
-  // 8k and 16k, level at 2k and 4k: H12), not for windows. Only in the plain variant: the
-  // masked one's tile bounds (segment chunks) do not fit the producer's 32 registers of a
-  // four-warp-group CTA, and the soft cap's tanh made the consumers spill.
-  if constexpr (kHeadDim == 64 && kVariant == Variant::kPlain) {
+  // 8k and 16k, level at 2k and 4k: H12), not for windows. Also in the masked variant, except
+  // with segment ids, whose documents' edges 192-row tiles straddle (lengths: non-causal +9%,
+  // causal at 16k +6%; keys cut to half a causal row -3%, 8 documents -2%: H24). Not with the
+  // soft cap, whose tanh made the consumers spill.
+  if constexpr (kHeadDim == 64 && (kVariant == Variant::kPlain || kVariant == Variant::kMasked)) {
     const bool no_band = p.window_left < 0 && p.window_right < 0;
     const bool long_causal = p.window_left < 0 && p.seqlen_q >= 8192;
-    if (no_band || long_causal) {
+    if ((no_band || long_causal) && p.q_segments == nullptr) {
       return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 3>, kVariant>(p, stream);
     }
   }
