@@ -34,16 +34,13 @@ args = parser.parse_args()
 dims = (-(-args.tokens // args.seqlen), args.seqlen, 2048 // args.head_dim, args.head_dim)
 q, k, v, do = (jax.random.normal(key, dims, jnp.bfloat16) for key in jax.random.split(jax.random.key(0), 4))
 masks = {}
-if args.masks:
-    batch, seqlen = dims[:2]
-    documents = jnp.broadcast_to(jnp.arange(seqlen, dtype=jnp.int32) * 4 // seqlen, (batch, seqlen))
-    lengths = jnp.full((batch,), seqlen, jnp.int32).at[-1].set(seqlen * 2 // 3)
-    masks = dict(q_segment_ids=documents, kv_segment_ids=documents, query_seq_lengths=lengths,
-                 key_value_seq_lengths=lengths.at[0].set(seqlen - 100))
-if args.lengths:
+if args.masks or args.lengths:
     batch, seqlen = dims[:2]
     lengths = jnp.full((batch,), seqlen, jnp.int32).at[-1].set(seqlen * 2 // 3)
     masks = dict(query_seq_lengths=lengths, key_value_seq_lengths=lengths.at[0].set(seqlen - 100))
+if args.masks:
+    documents = jnp.broadcast_to(jnp.arange(seqlen, dtype=jnp.int32) * 4 // seqlen, (batch, seqlen))
+    masks.update(q_segment_ids=documents, kv_segment_ids=documents)
 
 
 window = None if args.window is None else (args.window, 0 if args.causal else args.window)

@@ -32,6 +32,11 @@ def test_chunk_ranges_cover_every_visible_pair(t, s, sorted_ids):
     _pairs_covered(q_seg, kv_seg, masks)
 
 
+def _chunk_spans(ids):
+    """(smallest, largest) id of each CHUNK rows."""
+    return [(ids[i:i + CHUNK].min(), ids[i:i + CHUNK].max()) for i in range(0, len(ids), CHUNK)]
+
+
 @pytest.mark.parametrize("t,s", [(64, 64), (100, 300), (1000, 999)])
 def test_chunk_ranges_are_the_first_and_last_meeting_chunks(t, s):
     """Against a loop over chunk pairs: each range runs from the first chunk of the other side
@@ -43,10 +48,8 @@ def test_chunk_ranges_are_the_first_and_last_meeting_chunks(t, s):
     masks = kernel_masks(2, t, s, None, None, jnp.asarray(q_seg), jnp.asarray(kv_seg))
     for chunks, own, other, other_length in ((masks.q_chunks, q_seg, kv_seg, s), (masks.kv_chunks, kv_seg, q_seg, t)):
         for b in range(2):
-            spans = [(x[i:i + CHUNK].min(), x[i:i + CHUNK].max()) for x in (own[b],) for i in range(0, len(x), CHUNK)]
-            other_spans = [(other[b][j:j + CHUNK].min(), other[b][j:j + CHUNK].max())
-                           for j in range(0, other_length, CHUNK)]
-            for c, (low, high) in enumerate(spans):
+            other_spans = _chunk_spans(other[b])
+            for c, (low, high) in enumerate(_chunk_spans(own[b])):
                 meeting = [j for j, (lo, hi) in enumerate(other_spans) if low <= hi and lo <= high]
                 want = (meeting[0] * CHUNK, min((meeting[-1] + 1) * CHUNK, other_length)) if meeting else (0, 0)
                 assert tuple(np.asarray(chunks)[b, c]) == (low, high, *want)
