@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   };
   ds_offsets(warp, lane);
   if constexpr (!kCappedStep && !Cfg::kDqTransposed) asm volatile("" : "+r"(ds_lane_offset), "+r"(ds_chunk_bits));
-  const auto logits = Logits<kSoftcap || kBiasCapped ? Cap::kAlways : Cap::kNever>::from(p);
+  const auto logits = Logits<kCappedStep ? Cap::kAlways : Cap::kNever>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];  // m64 x H: keys x columns
