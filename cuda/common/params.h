@@ -101,10 +101,11 @@ struct BwdParams : FwdParams {
   // zeroed by bwd_preprocess; the key blocks add their dQ parts of a query block in key-block
   // order (bwd_walk.cuh). nullptr: in any order (faster, not bit-reproducible).
   int* dq_turns;
-  // sm90/bwd_kernel.cuh outside deterministic mode: the same scratch as dQ tickets, one a query
-  // block (at its first row / 64), zeroed by bwd_preprocess in place of the accumulator. The first
-  // CTA to take a block's ticket stores its dQ part, the others add theirs once it has landed
-  // (dq_tiles.cuh). `dq_counters` is that scratch, for the launcher to choose.
+  // sm90/bwd_kernel.cuh outside deterministic mode, without segment ids (run_sm90.cuh): the same
+  // scratch as dQ turns, one ticket a query block (at its first row / 64), zeroed by
+  // bwd_preprocess in place of the accumulator. The first CTA to take a block's ticket stores its
+  // dQ part, the others add theirs once it has landed (dq_tiles.cuh). `dq_counters` is that
+  // scratch, for the launcher to choose.
   int* dq_tickets;
   int* dq_counters;
   // kBias only: the bias's gradient, d loss / d logit, float32, zeroed by the handler and added to

@@ -145,13 +145,15 @@ cudaError_t make_bwd_tensor_maps(const BwdParams& p, sm90::BwdTensorMaps* maps) 
 }
 
 // H <= 128: bwd_kernel with Cfg = BwdConfig, whose dQ accumulator is tiled as Cfg::Dq, converted
-// to dq by a last kernel. Outside deterministic mode the accumulator is not zeroed: dQ tickets
-// (params.h) say which CTA stores each block's first part.
+// to dq by a last kernel. Outside deterministic mode and without segment ids the accumulator is
+// not zeroed: dQ tickets (params.h) say which CTA stores each block's first part. With segment
+// ids (packed documents, padding masks) the zeroed accumulator was faster (docs/PERF.md, B33):
+// a padding mask's forward + backward took 10% less, 8 documents 1-3% less.
 template <typename Cfg, Variant kVariant>
 cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   using T = typename Cfg::T;
   BwdParams p = params;
-  p.dq_tickets = p.dq_turns == nullptr ? p.dq_counters : nullptr;
+  p.dq_tickets = p.dq_turns == nullptr && p.q_segments == nullptr ? p.dq_counters : nullptr;
   if (cudaError_t e = launch_bwd_preprocess<T, Cfg::kHeadDim>(p, stream); e != cudaSuccess) return e;
   sm90::BwdTensorMaps maps;
   if (cudaError_t e = make_bwd_tensor_maps<Cfg>(p, &maps); e != cudaSuccess) return e;
