@@ -3,12 +3,14 @@
 The kernels read (cuda/common/mask.cuh, cuda/common/params.h):
   seqlens     int32 [B, 2]: the valid query and key/value lengths of each batch row;
   q_segments  int32 [B, T] and kv_segments [B, S]: segment ids;
-  q_chunks    int32 [B, ceil(T / 64), 4]: per 64 queries, the smallest and largest segment id and
-              the keys [begin, end) whose chunks share a segment id range with it;
-  kv_chunks   int32 [B, ceil(S / 64), 4]: the same per 64 keys, with a range of queries.
+  q_chunks    int32 [B, ceil(T / 64), 6]: per 64 queries, the smallest and largest segment id,
+              the keys [begin, end) whose chunks share a segment id range with it, and the keys
+              [begin, end) whose chunks hold only this chunk's one segment id;
+  kv_chunks   int32 [B, ceil(S / 64), 6]: the same per 64 keys, with ranges of queries.
 A chunk whose segment ranges meet no other chunk's gets an empty range, so that the kernels skip
-the blocks of other documents instead of computing them and masking every element. An absent
-input is an empty [B, 0] array (the batch stays on axis 0, as `_batching` needs).
+the blocks of other documents instead of computing them and masking every element; a block inside
+the one-segment range compares no ids (a kernel tests it by arithmetic, with no loads a block).
+An absent input is an empty [B, 0] array (the batch stays on axis 0, as `_batching` needs).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 CHUNK = 64  # kMaskChunk in cuda/common/params.h
+CHUNK_FIELDS = 6  # the int32 fields of MaskChunk
 
 
 class KernelMasks(NamedTuple):
@@ -55,11 +58,26 @@ def _other_rows(low, high, other_low, other_high, other_length: int):
     return begin, end
 
 
+def _one_segment_rows(low, high, other_low, other_high, other_length: int):
+    """For each chunk of one side holding one segment id (low == high), the other side's rows
+    [begin, end) of the run of its chunks that hold only that id; (0, 0) for a chunk of several
+    ids, or where those chunks are not one run (unsorted ids: no block is then taken as one
+    segment, and the kernels compare ids, as they must)."""
+    same = (low == high)[:, :, None] & (other_low[:, None, :] == low[:, :, None]) & (other_high[:, None, :] == low[:, :, None])
+    index = jax.lax.broadcasted_iota(jnp.int32, same.shape, 2)
+    first = jnp.min(jnp.where(same, index, same.shape[2]), 2)
+    last = jnp.max(jnp.where(same, index, -1), 2)
+    one_run = (last >= 0) & (jnp.sum(same, 2, dtype=jnp.int32) == last - first + 1)
+    begin = jnp.where(one_run, first * CHUNK, 0)
+    end = jnp.where(one_run, jnp.minimum((last + 1) * CHUNK, other_length), 0)
+    return begin, end
+
+
 def kernel_masks(batch: int, t: int, s: int, query_seq_lengths, key_value_seq_lengths, q_segment_ids,
                  kv_segment_ids) -> KernelMasks:  # fmt: skip
     """The kernel operands for these (validated) masks; absent ones as empty arrays."""
     empty = jnp.zeros((batch, 0), jnp.int32)
-    empty_chunks = jnp.zeros((batch, 0, 4), jnp.int32)
+    empty_chunks = jnp.zeros((batch, 0, CHUNK_FIELDS), jnp.int32)
     seqlens = empty
     if query_seq_lengths is not None or key_value_seq_lengths is not None:
         q_len = jnp.full((batch,), t, jnp.int32) if query_seq_lengths is None else query_seq_lengths
@@ -71,6 +89,8 @@ def kernel_masks(batch: int, t: int, s: int, query_seq_lengths, key_value_seq_le
     kv_min, kv_max = _segment_ranges(kv_segment_ids, -(-s // CHUNK))
     key_begin, key_end = _other_rows(q_min, q_max, kv_min, kv_max, s)
     query_begin, query_end = _other_rows(kv_min, kv_max, q_min, q_max, t)
-    q_chunks = jnp.stack([q_min, q_max, key_begin, key_end], -1)
-    kv_chunks = jnp.stack([kv_min, kv_max, query_begin, query_end], -1)
+    one_key_begin, one_key_end = _one_segment_rows(q_min, q_max, kv_min, kv_max, s)
+    one_query_begin, one_query_end = _one_segment_rows(kv_min, kv_max, q_min, q_max, t)
+    q_chunks = jnp.stack([q_min, q_max, key_begin, key_end, one_key_begin, one_key_end], -1)
+    kv_chunks = jnp.stack([kv_min, kv_max, query_begin, query_end, one_query_begin, one_query_end], -1)
     return KernelMasks(seqlens, q_segment_ids, kv_segment_ids, q_chunks, kv_chunks)

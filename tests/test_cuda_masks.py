@@ -79,6 +79,19 @@ def test_segment_ids(h, kw):
     check(jnp.bfloat16, b, t, t, 4, 1, h, **masks)
 
 
+@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("documents", [(937, 1063), (700, 600, 700)])
+def test_documents_longer_than_blocks(h, causal, documents):
+    """Documents of many whole blocks, their edges inside blocks: the kernels take blocks of one
+    document (its chunks' one-segment ranges, _masks.py) without comparing ids, and compare them
+    at the edges; in (700, 600, 700) document 0 comes back after document 1, so its chunks are
+    two runs and get no such range."""
+    ids = np.repeat(np.arange(len(documents)) % 2, documents)
+    seg = jnp.asarray(np.stack([ids, ids[::-1]]), jnp.int32)
+    check(jnp.bfloat16, 2, len(ids), len(ids), 2, 1, h, is_causal=causal, q_segment_ids=seg, kv_segment_ids=seg)
+
+
 def test_segment_ids_of_different_query_and_key_lengths():
     """Cross attention between packed rows: T != S, a query segment with no keys (zero rows)."""
     rng = rng_for("segments_cross")

@@ -8,12 +8,14 @@
 namespace jax_flash {
 
 // Segment ids come with a summary per kMaskChunk rows (queries) or keys, computed on the host
-// side (jax_flash/_masks.py): the chunk's smallest and largest segment id and the range of the
-// other side (keys of a query chunk, queries of a key chunk) whose chunks share a segment with it.
+// side (jax_flash/_masks.py): the chunk's smallest and largest segment id, the range of the other
+// side (keys of a query chunk, queries of a key chunk) whose chunks share a segment with it, and
+// the range whose chunks hold only this chunk's one segment id (empty if it holds several).
 constexpr int kMaskChunk = 64;
 struct MaskChunk {
-  int segment_min, segment_max, other_begin, other_end;
+  int segment_min, segment_max, other_begin, other_end, one_begin, one_end;
 };
+constexpr int kMaskChunkFields = sizeof(MaskChunk) / sizeof(int);
 
 // The compiled variants of every kernel. kPlain reads no masks (the dispatch checked there are
 // none), kMasked reads sequence lengths and segment ids, kSoftcap is kMasked plus the soft cap.

@@ -95,10 +95,12 @@ ffi::Error fill_masks(ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> q_seg
     const int64_t q_chunk_count = (p->seqlen_q + kMaskChunk - 1) / kMaskChunk;
     const int64_t kv_chunk_count = (p->seqlen_k + kMaskChunk - 1) / kMaskChunk;
     if (!has_shape(q_segments, {p->batch, p->seqlen_q}) || !has_shape(kv_segments, {p->batch, p->seqlen_k}) ||
-        !has_shape(q_chunks, {p->batch, q_chunk_count, 4}) || !has_shape(kv_chunks, {p->batch, kv_chunk_count, 4})) {
+        !has_shape(q_chunks, {p->batch, q_chunk_count, kMaskChunkFields}) ||
+        !has_shape(kv_chunks, {p->batch, kv_chunk_count, kMaskChunkFields})) {
+      const std::string fields = std::to_string(kMaskChunkFields);
       return ffi::Error::InvalidArgument("jax_flash: segment ids must be [B, T] and [B, S] with chunks [B, T / " +
-                                         std::to_string(kMaskChunk) + ", 4] and [B, S / " +
-                                         std::to_string(kMaskChunk) + ", 4]");
+                                         std::to_string(kMaskChunk) + ", " + fields + "] and [B, S / " +
+                                         std::to_string(kMaskChunk) + ", " + fields + "]");
     }
     p->q_segments = q_segments.typed_data();
     p->kv_segments = kv_segments.typed_data();
@@ -277,8 +279,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_fwd_handler, jax_flash::fwd_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seqlens [B, 2] or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q segment ids [B, T] or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv segment ids [B, S] or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q chunks [B, T / 64, 4] or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv chunks [B, S / 64, 4] or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q chunks [B, T / 64, 6] or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv chunks [B, S / 64, 6] or empty
                                   .Arg<ffi::AnyBuffer>()  // bias, broadcastable to [B, N, T, S], or empty
                                   .Arg<ffi::AnyBuffer>()  // boolean mask, broadcastable to [B, N, T, S], or empty
                                   .Ret<ffi::AnyBuffer>()  // o
@@ -304,8 +306,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seqlens [B, 2] or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q segment ids [B, T] or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv segment ids [B, S] or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q chunks [B, T / 64, 4] or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv chunks [B, S / 64, 4] or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q chunks [B, T / 64, 6] or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv chunks [B, S / 64, 6] or empty
                                   .Arg<ffi::AnyBuffer>()  // bias, broadcastable to [B, N, T, S], or empty
                                   .Arg<ffi::AnyBuffer>()  // boolean mask, broadcastable to [B, N, T, S], or empty
                                   .Ret<ffi::AnyBuffer>()  // dQ

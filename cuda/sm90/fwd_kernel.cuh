@@ -130,11 +130,15 @@ struct FwdTile {
 template <typename Cfg, Variant kVariant, bool kRedo>
 struct FwdWork {
   static constexpr bool kMasked = kVariant != Variant::kPlain;
+  // Only the masked variant's first pass tests blocks against one_segment_keys (the kernel's
+  // cap_and_mask); in the others that range's registers made the kernels spill.
+  static constexpr bool kOneSegmentKeys = kVariant == Variant::kMasked && !kRedo;
   int q_first, n_begin, blocks;
   int rotation = 0;  // 1: block 0 visited last (Cfg::kWindowEdgeLast)
   int batch, head;
   Band band;
-  static constexpr int kSlotBytes = 48;  // 9 ints (Slot), 16-byte aligned
+  Range one_segment_keys{0, 1 << 30};  // Band::keys_of_one_segment of the tile's rows
+  static constexpr int kSlotBytes = 48;  // 11 ints (Slot), 16-byte aligned
   __device__ static int m_blocks(const FwdParams& p) { return (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM; }
   __device__ static int all_tiles(const FwdParams& p) { return m_blocks(p) * p.batch * p.heads; }
   __device__ static int tile_count(const FwdParams& p) {
@@ -156,6 +160,7 @@ struct FwdWork {
     const Range keys = w.band.keys_of(w.q_first, q_last);
     w.n_begin = keys.begin / Cfg::kBlockN;
     w.blocks = max(0, (keys.end + Cfg::kBlockN - 1) / Cfg::kBlockN - w.n_begin);
+    if constexpr (kOneSegmentKeys) w.one_segment_keys = w.band.keys_of_one_segment(w.q_first, q_last);
     if constexpr (Cfg::kWindowEdgeLast) {
       w.rotation = w.band.left >= 0 && w.blocks > 1 &&
                    !w.band.all_visible(w.q_first, q_last, w.n_begin * Cfg::kBlockN, (w.n_begin + 1) * Cfg::kBlockN - 1);
@@ -164,12 +169,13 @@ struct FwdWork {
   }
   // Into / from a slot of kSlotBytes (16-byte aligned), these ints in this order; tile < 0: no
   // tile left.
-  enum Slot { kTile, kQFirst, kNBegin, kBlocks, kRotation, kBatch, kHead, kSeqlenQ, kSeqlenK };
+  enum Slot { kTile, kQFirst, kNBegin, kBlocks, kRotation, kBatch, kHead, kSeqlenQ, kSeqlenK, kOneBegin, kOneEnd };
   __device__ void store(uint32_t slot, int tile) const {
     ptx::st_shared_v4(slot, uint32_t(tile), uint32_t(q_first), uint32_t(n_begin), uint32_t(blocks));
     ptx::st_shared_v4(slot + 4 * kRotation, uint32_t(rotation), uint32_t(batch), uint32_t(head),
                       uint32_t(band.seqlen_q));
-    ptx::st_shared_b32(slot + 4 * kSeqlenK, uint32_t(band.seqlen_k));
+    ptx::st_shared_v4(slot + 4 * kSeqlenK, uint32_t(band.seqlen_k), uint32_t(one_segment_keys.begin),
+                      uint32_t(one_segment_keys.end), 0u);
   }
   __device__ static void store_end(uint32_t slot) { ptx::st_shared_b32(slot + 4 * kTile, uint32_t(-1)); }
   // Read by plain loads (the slot's generic address), which the compiler may repeat where it
@@ -181,6 +187,7 @@ struct FwdWork {
     w.q_first = slot[kQFirst], w.n_begin = slot[kNBegin], w.blocks = slot[kBlocks];
     w.rotation = slot[kRotation], w.batch = slot[kBatch], w.head = slot[kHead];
     w.band = Band::with_lengths<kMasked>(p, w.batch, slot[kSeqlenQ], slot[kSeqlenK]);
+    if constexpr (kOneSegmentKeys) w.one_segment_keys = {slot[kOneBegin], slot[kOneEnd]};
     return w;
   }
   // The keys of the j-th block visited.
@@ -446,7 +453,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::wgmma_commit();
     };
     // Soft cap (the kBias variant: where the call has one), bias and boolean mask, then the band
-    // mask (only blocks that straddle the band or the end of the keys).
+    // mask (only blocks that straddle the band, the end of the keys or a segment's edge). The
+    // masked variant tests a block against its tile's one-segment keys (arithmetic) and compares
+    // no ids in a block of one segment; the others read the block's chunks (all_visible).
+    constexpr bool kOneSegmentKeys = Work::kOneSegmentKeys;
     auto cap_and_mask = [&](float (&s)[kSRegs], int j) {
       const int k_first = w.key_first(j);
       if constexpr (kSoftcap || kBias) {
@@ -468,10 +478,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         add_bias_pairs<T, kBlockN / 8>(LogitBias<T>::from(p, w.batch, w.head, logits.unit), s, q,
                                        k_first + (lane % 4) * 2);
       }
-      if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
+      const bool one_segment =
+          kOneSegmentKeys && k_first >= w.one_segment_keys.begin && k_first + kBlockN <= w.one_segment_keys.end;
+      const bool whole = kOneSegmentKeys
+                             ? one_segment && band.inside_band(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)
+                             : band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1);
+      if (!whole) {
         const int q[2] = {q_first + row_in_tile(0), q_first + row_in_tile(1)};
         const Range seen[2] = {band.keys_seen_by(q[0]), band.keys_seen_by(q[1])};
-        band.with_segments([&](auto segments) {
+        auto mask = [&](auto segments) {
           constexpr bool kSegments = decltype(segments)::value;
           const int q_segment[2] = {kSegments ? band.q_segment(q[0]) : 0, kSegments ? band.q_segment(q[1]) : 0};
 #pragma unroll
@@ -480,7 +495,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             const bool other_segment = kSegments && band.kv_segment(k) != q_segment[r];
             if (k < seen[r].begin || k >= seen[r].end || other_segment) s[i] = -INFINITY;
           }
-        });
+        };
+        if (one_segment) {
+          mask(std::false_type{});
+        } else {
+          band.with_segments(mask);
+        }
       }
     };
     // The maximum of row r of the block (its four threads' columns).
