@@ -42,20 +42,30 @@ def _segment_ranges(segments, chunks: int):
     return low.min(-1), high.max(-1)
 
 
+def _first_and_last(chunk_pairs):
+    """For [B, C, C'] booleans over (this side's chunk, other side's chunk): the first and last
+    other chunk where true ([B, C]; C' and -1 where none), by min and max reductions along the
+    last axis: XLA took 10-12 us on an H100 at 256 x 256 chunks for an argmax (a two-operand
+    reduce), or for a reduction along the middle axis."""
+    index = jax.lax.broadcasted_iota(jnp.int32, chunk_pairs.shape, 2)
+    first = jnp.min(jnp.where(chunk_pairs, index, chunk_pairs.shape[2]), 2)
+    last = jnp.max(jnp.where(chunk_pairs, index, -1), 2)
+    return first, last
+
+
+def _rows(first, last, keep, other_length: int):
+    """The other side's rows [begin, end) of chunks first..last where keep, (0, 0) elsewhere."""
+    begin = jnp.where(keep, first * CHUNK, 0)
+    end = jnp.where(keep, jnp.minimum((last + 1) * CHUNK, other_length), 0)
+    return begin, end
+
+
 def _other_rows(low, high, other_low, other_high, other_length: int):
     """For each chunk of one side (segment ids low..high, [B, C]), the other side's rows [begin,
-    end) covering its chunks whose segment id ranges meet this chunk's; (0, 0) where none. The
-    first and last such chunk by min and max reductions along the last axis: XLA took 10-12 us
-    on an H100 at 256 x 256 chunks for an argmax (a two-operand reduce), or for a reduction
-    along the middle axis."""
+    end) covering its chunks whose segment id ranges meet this chunk's; (0, 0) where none."""
     meet = (low[:, :, None] <= other_high[:, None, :]) & (other_low[:, None, :] <= high[:, :, None])
-    index = jax.lax.broadcasted_iota(jnp.int32, meet.shape, 2)
-    first = jnp.min(jnp.where(meet, index, meet.shape[2]), 2)
-    last = jnp.max(jnp.where(meet, index, -1), 2)
-    some = last >= 0
-    begin = jnp.where(some, first * CHUNK, 0)
-    end = jnp.where(some, jnp.minimum((last + 1) * CHUNK, other_length), 0)
-    return begin, end
+    first, last = _first_and_last(meet)
+    return _rows(first, last, last >= 0, other_length)
 
 
 def _one_segment_rows(low, high, other_low, other_high, other_length: int):
@@ -64,13 +74,9 @@ def _one_segment_rows(low, high, other_low, other_high, other_length: int):
     ids, or where those chunks are not one run (unsorted ids: no block is then taken as one
     segment, and the kernels compare ids, as they must)."""
     same = (low == high)[:, :, None] & (other_low[:, None, :] == low[:, :, None]) & (other_high[:, None, :] == low[:, :, None])
-    index = jax.lax.broadcasted_iota(jnp.int32, same.shape, 2)
-    first = jnp.min(jnp.where(same, index, same.shape[2]), 2)
-    last = jnp.max(jnp.where(same, index, -1), 2)
+    first, last = _first_and_last(same)
     one_run = (last >= 0) & (jnp.sum(same, 2, dtype=jnp.int32) == last - first + 1)
-    begin = jnp.where(one_run, first * CHUNK, 0)
-    end = jnp.where(one_run, jnp.minimum((last + 1) * CHUNK, other_length), 0)
-    return begin, end
+    return _rows(first, last, one_run, other_length)
 
 
 def kernel_masks(batch: int, t: int, s: int, query_seq_lengths, key_value_seq_lengths, q_segment_ids,
