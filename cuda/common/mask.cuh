@@ -141,12 +141,16 @@ struct Band {
   // them, and inside the band, needs no mask (no ids compared); all keys without segment ids. Read
   // once a tile (the chunks' one-segment ranges, _masks.py), then tested by arithmetic per block:
   // all_visible's chunk loads each block took 30% of d = 64's forward with segment ids.
+  // Rows past the length get none (nor is a chunk past the tensor's end read).
   __device__ __forceinline__ Range keys_of_one_segment(int q0, int q1) const {
-    return segments() ? one_segment_range(q_chunks, q0, max(q0, min(q1, seqlen_q - 1))) : Range{0, 1 << 30};
+    if (!segments()) return {0, 1 << 30};
+    return q0 < seqlen_q ? one_segment_range(q_chunks, q0, min(q1, seqlen_q - 1)) : Range{0, 0};
   }
-  // Queries [begin, end) that with every key of [k0, k1] lie in one segment (the same per key block).
+  // Queries [begin, end) that with every key of [k0, k1] lie in one segment (the same per key
+  // block; the backward's last block may hold a consumer's 64 keys all past the end).
   __device__ __forceinline__ Range queries_of_one_segment(int k0, int k1) const {
-    return segments() ? one_segment_range(kv_chunks, k0, max(k0, min(k1, seqlen_k - 1))) : Range{0, 1 << 30};
+    if (!segments()) return {0, 1 << 30};
+    return k0 < seqlen_k ? one_segment_range(kv_chunks, k0, min(k1, seqlen_k - 1)) : Range{0, 0};
   }
 
  private:
