@@ -457,7 +457,41 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // masked variant tests a block against its tile's one-segment keys (arithmetic) and compares
     // no ids in a block of one segment; the others read the block's chunks (all_visible).
     constexpr bool kOneSegmentKeys = Work::kOneSegmentKeys;
-    auto cap_and_mask = [&](float (&s)[kSRegs], int j) {
+    struct BlockMask {
+      bool whole;        // every logit of the block visible: no mask
+      bool one_segment;  // its keys hold only the tile's rows' one segment id: no id compared
+    };
+    auto block_mask = [&](int j) {
+      const int k_first = w.key_first(j);
+      const bool one_segment =
+          kOneSegmentKeys && k_first >= w.one_segment_keys.begin && k_first + kBlockN <= w.one_segment_keys.end;
+      const bool whole = kOneSegmentKeys
+                             ? one_segment && band.inside_band(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)
+                             : band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1);
+      return BlockMask{whole, one_segment};
+    };
+    // The band mask: `fill` where a row does not see a key (-inf before the exp2, 0 after it).
+    auto mask_band = [&](float (&s)[kSRegs], int j, BlockMask bm, float fill) {
+      const int k_first = w.key_first(j);
+      const int q[2] = {q_first + row_in_tile(0), q_first + row_in_tile(1)};
+      const Range seen[2] = {band.keys_seen_by(q[0]), band.keys_seen_by(q[1])};
+      auto mask = [&](auto segments) {
+        constexpr bool kSegments = decltype(segments)::value;
+        const int q_segment[2] = {kSegments ? band.q_segment(q[0]) : 0, kSegments ? band.q_segment(q[1]) : 0};
+#pragma unroll
+        for (int i = 0; i < kSRegs; ++i) {
+          const int r = (i % 4) / 2, k = k_first + (i / 4) * 8 + (lane % 4) * 2 + i % 2;
+          const bool other_segment = kSegments && band.kv_segment(k) != q_segment[r];
+          if (k < seen[r].begin || k >= seen[r].end || other_segment) s[i] = fill;
+        }
+      };
+      if (bm.one_segment) {
+        mask(std::false_type{});
+      } else {
+        band.with_segments(mask);
+      }
+    };
+    auto cap_and_mask = [&](float (&s)[kSRegs], int j, BlockMask bm) {
       const int k_first = w.key_first(j);
       if constexpr (kSoftcap || kBias) {
 #pragma unroll
@@ -478,30 +512,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         add_bias_pairs<T, kBlockN / 8>(LogitBias<T>::from(p, w.batch, w.head, logits.unit), s, q,
                                        k_first + (lane % 4) * 2);
       }
-      const bool one_segment =
-          kOneSegmentKeys && k_first >= w.one_segment_keys.begin && k_first + kBlockN <= w.one_segment_keys.end;
-      const bool whole = kOneSegmentKeys
-                             ? one_segment && band.inside_band(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)
-                             : band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1);
-      if (!whole) {
-        const int q[2] = {q_first + row_in_tile(0), q_first + row_in_tile(1)};
-        const Range seen[2] = {band.keys_seen_by(q[0]), band.keys_seen_by(q[1])};
-        auto mask = [&](auto segments) {
-          constexpr bool kSegments = decltype(segments)::value;
-          const int q_segment[2] = {kSegments ? band.q_segment(q[0]) : 0, kSegments ? band.q_segment(q[1]) : 0};
-#pragma unroll
-          for (int i = 0; i < kSRegs; ++i) {
-            const int r = (i % 4) / 2, k = k_first + (i / 4) * 8 + (lane % 4) * 2 + i % 2;
-            const bool other_segment = kSegments && band.kv_segment(k) != q_segment[r];
-            if (k < seen[r].begin || k >= seen[r].end || other_segment) s[i] = -INFINITY;
-          }
-        };
-        if (one_segment) {
-          mask(std::false_type{});
-        } else {
-          band.with_segments(mask);
-        }
-      }
+      if (!bm.whole) mask_band(s, j, bm, -INFINITY);
     };
     // The maximum of row r of the block (its four threads' columns).
     auto block_row_max = [&](const float (&s)[kSRegs], int r) {
@@ -539,10 +550,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       return sum;
     };
+    // The same under the cap, x = tanh(s * scale / c) taken in the same pass.
+    auto exponentiate_capped = [&](float (&s)[kSRegs], int r, float shift) {
+      float sum = 0.f;
+#pragma unroll
+      for (int n8 = 0; n8 < kBlockN / 8; ++n8)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& x = s[4 * n8 + 2 * r + c];
+          x = ptx::exp2(logits.value(x) * scale_log2 - shift);
+          sum += x;
+        }
+      return sum;
+    };
+    // This thread's sum of row r of the block.
+    auto row_sum_of = [&](const float (&s)[kSRegs], int r) {
+      float sum = 0.f;
+#pragma unroll
+      for (int n8 = 0; n8 < kBlockN / 8; ++n8) sum += s[4 * n8 + 2 * r] + s[4 * n8 + 2 * r + 1];
+      return sum;
+    };
     // The online softmax of block j, exact: the rows' maxima first, then S becomes exp2(S - max)
     // in place; returns the factor O must be scaled by.
     auto softmax_exact = [&](float (&s)[kSRegs], int j, float (&rescale)[2]) {
-      cap_and_mask(s, j);
+      cap_and_mask(s, j, block_mask(j));
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float block_max = fmaxf(row_max[r], block_row_max(s, r));
@@ -572,10 +603,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         softmax_exact(s, j, rescale);
         return;
       }
-      cap_and_mask(s, j);
       float sum[2];
+      const BlockMask bm = block_mask(j);
+      // With a cap at H >= 128, each element's tanh and exp2 in one pass, masked after it (to 0,
+      // the row's sum taken again): the MUFU bounds the capped softmax, and with no mask between
+      // a tanh pass and an exp2 pass the compiler fills the MUFU's gaps with the FMULs and FFMAs
+      // that otherwise ran before each pass, the MUFU idle (H = 128: 2-3% faster; H = 64: 2%
+      // slower, docs/PERF.md). A masked logit's exp2 against the row's max may overflow to inf
+      // (e^2c), never NaN: the max is finite here.
+      constexpr bool kCapInOnePass = kSoftcap && kHeadDim >= 128;
+      if constexpr (kCapInOnePass) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) sum[r] = exponentiate(s, r, row_max[r] * scale_log2);
+        for (int r = 0; r < 2; ++r) sum[r] = exponentiate_capped(s, r, row_max[r] * scale_log2);
+        if (!bm.whole) {
+          mask_band(s, j, bm, 0.f);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) sum[r] = row_sum_of(s, r);
+        }
+      } else {
+        cap_and_mask(s, j, bm);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) sum[r] = exponentiate(s, r, row_max[r] * scale_log2);
+      }
       if (__all_sync(0xffffffff, sum[0] <= kMaxP && sum[1] <= kMaxP)) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
