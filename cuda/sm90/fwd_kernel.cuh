@@ -537,42 +537,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     };
     // A row that has seen nothing visible keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
     auto shift_of = [&](int r) { return row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2; };
-    // S becomes exp2(S * scale_log2 - shift) in place; returns this thread's sum of the row.
-    // With a cap at H = 64, whose softmax the MUFU bounds (a tanh and an exp2 a logit, twice the
-    // tensor cores' time), one element in four takes its exp2 on the FMA pipe: 6% faster; two in
-    // four level, three slower (docs/PERF.md).
-    constexpr int kExp2OnFmaQuarters = kSoftcap && kHeadDim == 64 ? 1 : 0;
-    auto exponentiate = [&](float (&s)[kSRegs], int r, float shift) {
-      float sum = 0.f;
-#pragma unroll
-      for (int n8 = 0; n8 < kBlockN / 8; ++n8)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float& x = s[4 * n8 + 2 * r + c];
-          x = (2 * n8 + c) % 4 < kExp2OnFmaQuarters ? ptx::exp2_on_fma(x * scale_log2 - shift)
-                                                      : ptx::exp2(x * scale_log2 - shift);
-          sum += x;
-        }
-      return sum;
-    };
-    // The same under the cap, x = tanh(s * scale / c) taken in the same pass.
-    auto exponentiate_capped = [&](float (&s)[kSRegs], int r, float shift) {
-      float sum = 0.f;
-#pragma unroll
-      for (int n8 = 0; n8 < kBlockN / 8; ++n8)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float& x = s[4 * n8 + 2 * r + c];
-          x = ptx::exp2(logits.value(x) * scale_log2 - shift);
-          sum += x;
-        }
-      return sum;
-    };
     // This thread's sum of row r of the block.
     auto row_sum_of = [&](const float (&s)[kSRegs], int r) {
       float sum = 0.f;
 #pragma unroll
       for (int n8 = 0; n8 < kBlockN / 8; ++n8) sum += s[4 * n8 + 2 * r] + s[4 * n8 + 2 * r + 1];
+      return sum;
+    };
+    // S becomes exp2(S * scale_log2 - shift) in place; returns this thread's sum of the row.
+    // capped (a constant at each call): S holds raw scores, whose tanh (logits.cuh) is taken in the
+    // same pass.
+    // With a cap at H = 64, whose softmax the MUFU bounds (a tanh and an exp2 a logit, twice the
+    // tensor cores' time), one element in four takes its exp2 on the FMA pipe: 6% faster; two in
+    // four level, three slower (docs/PERF.md).
+    constexpr int kExp2OnFmaQuarters = kSoftcap && kHeadDim == 64 ? 1 : 0;
+    auto exponentiate = [&](float (&s)[kSRegs], int r, float shift, bool capped) {
+      float sum = 0.f;
+#pragma unroll
+      for (int n8 = 0; n8 < kBlockN / 8; ++n8)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& x = s[4 * n8 + 2 * r + c];
+          const float arg = (capped ? logits.value(x) : x) * scale_log2 - shift;
+          x = (2 * n8 + c) % 4 < kExp2OnFmaQuarters ? ptx::exp2_on_fma(arg) : ptx::exp2(arg);
+          sum += x;
+        }
       return sum;
     };
     // The online softmax of block j, exact: the rows' maxima first, then S becomes exp2(S - max)
@@ -590,7 +579,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if (!keep) row_max[r] = block_max;
         const float shift = shift_of(r);
         rescale[r] = keep ? 1.f : ptx::exp2(old_max * scale_log2 - shift);
-        row_sum[r] = row_sum[r] * rescale[r] + exponentiate(s, r, shift);
+        row_sum[r] = row_sum[r] * rescale[r] + exponentiate(s, r, shift, false);
       }
     };
     // The same, speculative: exp2 against the rows' current maxima straight away, without taking
@@ -619,7 +608,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       constexpr bool kCapInOnePass = kSoftcap && kHeadDim >= 128;
       if constexpr (kCapInOnePass) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) sum[r] = exponentiate_capped(s, r, row_max[r] * scale_log2);
+        for (int r = 0; r < 2; ++r) sum[r] = exponentiate(s, r, row_max[r] * scale_log2, true);
         if (!bm.whole) {
           mask_band(s, j, bm, 0.f);
 #pragma unroll
@@ -628,7 +617,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       } else {
         cap_and_mask(s, j, bm);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) sum[r] = exponentiate(s, r, row_max[r] * scale_log2);
+        for (int r = 0; r < 2; ++r) sum[r] = exponentiate(s, r, row_max[r] * scale_log2, false);
       }
       if (__all_sync(0xffffffff, sum[0] <= kMaxP && sum[1] <= kMaxP)) {
 #pragma unroll
