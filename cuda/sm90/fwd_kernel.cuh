@@ -602,7 +602,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // With a cap at H >= 128, each element's tanh and exp2 in one pass, masked after it (to 0,
       // the row's sum taken again): the MUFU bounds the capped softmax, and with no mask between
       // a tanh pass and an exp2 pass the compiler fills the MUFU's gaps with the FMULs and FFMAs
-      // that otherwise ran before each pass, the MUFU idle (H = 128: 2-3% faster; H = 64: 2%
+      // that otherwise ran before each pass, the MUFU idle (H = 128: 1-3% faster; H = 64: 2%
       // slower, docs/PERF.md). A masked logit's exp2 against the row's max may overflow to inf
       // (e^2c), never NaN: the max is finite here.
       constexpr bool kCapInOnePass = kSoftcap && kHeadDim >= 128;
