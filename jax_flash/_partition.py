@@ -176,6 +176,17 @@ def _explicit_sharding(x) -> NamedSharding | None:
     return sharding if _spec_axes(sharding.spec) & explicit else None
 
 
+def zeros_like(x, dtype) -> jax.Array:
+    """Zeros of x's shape in `dtype`, split as x is over explicit mesh axes. Under jit with no
+    mesh context, jax 0.12's `jnp.zeros_like` drops that split, and `dynamic_update_slice` then
+    refuses to add a split update into the unsplit zeros."""
+    zeros = jnp.zeros_like(x, dtype)
+    sharding = _explicit_sharding(x)
+    if sharding is not None and jax.typeof(zeros).sharding.spec != sharding.spec:
+        zeros = jax.sharding.reshard(zeros, sharding)
+    return zeros
+
+
 def _local_shape(shape, spec: P, mesh) -> tuple[int, ...]:
     return tuple(size // math.prod(mesh.shape[a] for a in _axes(entry)) for size, entry in zip(shape, spec))
 
