@@ -76,8 +76,6 @@ def _check_qkv(query, key, value):
         if x.dtype not in INPUT_DTYPES:
             allowed = ", ".join(jnp.dtype(d).name for d in INPUT_DTYPES)
             raise TypeError(f"{name} dtype must be one of {allowed}, got {x.dtype}")
-        if 0 in x.shape:
-            raise ValueError(f"{name} must not be empty, got shape {x.shape}")
     if key.dtype != query.dtype or value.dtype != query.dtype:
         raise TypeError(
             f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
@@ -92,6 +90,8 @@ def _check_qkv(query, key, value):
         raise ValueError(f"key batch size must equal query's ({b}), got shape {key.shape}")
     if key.shape[3] != h:
         raise ValueError(f"key head dim must equal query's ({h}), got shape {key.shape}")
+    if key.shape[2] == 0:
+        raise ValueError(f"key must have at least one head, got shape {key.shape}")
     if n % key.shape[2] != 0:
         raise ValueError(
             f"the number of query heads ({n}) must be a multiple of the number of key/value "
@@ -222,7 +222,8 @@ def validate(
         q_segment_ids = _check_segments(q_segment_ids, "q_segment_ids", b, t, batched)
         kv_segment_ids = _check_segments(kv_segment_ids, "kv_segment_ids", b, s, batched)
 
-    scale = 1.0 / math.sqrt(h) if scale is None else scale
+    if scale is None:
+        scale = 1.0 / math.sqrt(h) if h else 1.0  # H = 0: an empty output, no logits to scale
     if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
         raise TypeError(f"scale must be None or a real number, got {type(scale).__name__}")
     if not math.isfinite(float(scale)):

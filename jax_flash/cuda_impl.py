@@ -21,6 +21,16 @@ from jax_flash._validation import AttentionConfig, Call
 FWD_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 BWD_HEAD_DIMS = (32, 64, 96, 128, 256)  # 192 runs the 256 kernels, zero-padded
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16)
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+
+
+def grid_fits(batch_heads: int) -> bool:
+    """Whether the launchers can split batch x heads into grid y x z exactly, each at most 65,535,
+    within the kernels' 32-bit index (the rule of `batch_head_grid` in cuda/common/grid.cuh)."""
+    if batch_heads > 2**31 - 1:
+        return False
+    smallest_y = -(-batch_heads // MAX_GRID_YZ)
+    return any(batch_heads % y == 0 for y in range(min(batch_heads, MAX_GRID_YZ), smallest_y - 1, -1))
 
 
 def kernel_head_dim(head_dim: int, kernel_dims: tuple[int, ...] = FWD_HEAD_DIMS) -> int | None:
@@ -41,6 +51,11 @@ def unsupported_reason(call: Call) -> str | None:
         return f"head dim {call.query.shape[-1]} is above the largest supported ({FWD_HEAD_DIMS[-1]})"
     if call.config.scale <= 0:
         return "the kernels need scale > 0"
+    b, n, kv_heads = call.query.shape[0], call.query.shape[2], call.key.shape[2]
+    for heads in {n, kv_heads}:
+        if not grid_fits(b * heads):
+            return (f"batch x heads ({b} x {heads} = {b * heads}) has no split into the CUDA grid's y x z "
+                    f"of at most {MAX_GRID_YZ} each")
     return None
 
 

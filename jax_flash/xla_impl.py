@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash._partition import vary_like
+from jax_flash._partition import vary_like, zeros_like
 from jax_flash._validation import AttentionConfig, Call
 
 DEFAULT_BLOCK_Q = 512
@@ -133,8 +133,9 @@ def _key_block_range(cfg: AttentionConfig, plan: _Plan, iq):
     return lo, hi
 
 
-def _visible(cfg: AttentionConfig, plan: _Plan, ops: _Operands, iq, jk):
-    """Boolean [B, Kx, Gx, bq, bk]: which (query, key) pairs of this tile take part."""
+def band_visible(cfg: AttentionConfig, plan: _Plan, ops: _Operands, iq, jk):
+    """Boolean [B, bq, bk]: which (query, key) pairs of this tile the lengths, the band (causal,
+    window) and the segment ids let through (the same for every head)."""
     qi = iq * plan.block_q + jnp.arange(plan.block_q, dtype=jnp.int32)
     kj = jk * plan.block_k + jnp.arange(plan.block_k, dtype=jnp.int32)
     vis = (qi[None, :, None] < ops.q_len[:, None, None]) & (
@@ -149,7 +150,12 @@ def _visible(cfg: AttentionConfig, plan: _Plan, ops: _Operands, iq, jk):
         q_seg = lax.dynamic_slice_in_dim(ops.q_seg, iq * plan.block_q, plan.block_q, axis=1)
         kv_seg = lax.dynamic_slice_in_dim(ops.kv_seg, jk * plan.block_k, plan.block_k, axis=1)
         vis &= q_seg[:, :, None] == kv_seg[:, None, :]
-    vis = vis[:, None, None]
+    return vis
+
+
+def _visible(cfg: AttentionConfig, plan: _Plan, ops: _Operands, iq, jk):
+    """Boolean [B, Kx, Gx, bq, bk]: which (query, key) pairs of this tile take part."""
+    vis = band_visible(cfg, plan, ops, iq, jk)[:, None, None]
     if ops.mask is not None:
         vis &= _tile(ops.mask, iq * plan.block_q, plan.block_q, jk * plan.block_k, plan.block_k)
     return vis
@@ -192,10 +198,11 @@ def _forward_q_block(cfg, plan, ops, iq):
                         preferred_element_type=acc)  # fmt: skip
         return m_new, rescale * l + p.sum(-1), rescale[..., None] * o + pv
 
-    # *_like, not zeros: the carries then take q's sharding. Inside shard_map they vary over the
+    # zeros_like, not zeros: the carries then take q's sharding. Inside shard_map they vary over the
     # mesh axes of every operand, as the loop's outputs do.
-    o0 = jnp.zeros_like(q_block, acc).transpose(0, 2, 3, 1, 4)  # [B, K, G, bq, H]
-    init = vary_like((o0[..., 0] - jnp.inf, o0[..., 0], o0), *_present(ops))
+    o0 = zeros_like(q_block, acc).transpose(0, 2, 3, 1, 4)  # [B, K, G, bq, H]
+    l0 = o0.sum(-1)  # zeros of the row statistics' shape (a sum, not o0[..., 0]: H may be 0)
+    init = vary_like((l0 - jnp.inf, l0, o0), *_present(ops))
     lo, hi = _key_block_range(cfg, plan, iq)
     m, l, o = lax.fori_loop(lo, hi, step, init)
     empty = l == 0  # fully masked rows: output 0, log-sum-exp -inf
@@ -278,15 +285,15 @@ def _backward(cfg, plan, ops, out, lse, d_out, d_lse):
             return dq, dk, dv, dbias
 
         lo, hi = _key_block_range(cfg, plan, iq)
-        (dq0,) = vary_like((jnp.zeros_like(q_block, acc),), *inputs)
+        (dq0,) = vary_like((zeros_like(q_block, acc),), *inputs)
         dq, dk, dv, dbias = lax.fori_loop(lo, hi, step, (dq0,) + carry)
         return (dk, dv, dbias), dq.reshape(b, plan.block_q, kv_heads * g, h)
 
     # zeros_like, not zeros: under explicit sharding the accumulators take the shardings of k and
     # the bias, which the updates in the loop carry. Inside shard_map they vary over the mesh axes
     # of every input (with one kv head and the query heads split, each device's dK is a part).
-    dbias0 = None if ops.bias is None else vary_like((jnp.zeros_like(ops.bias, acc),), *inputs)[0]
-    (zeros_kv,) = vary_like((jnp.zeros_like(ops.k, acc),), *inputs)
+    dbias0 = None if ops.bias is None else vary_like((zeros_like(ops.bias, acc),), *inputs)[0]
+    (zeros_kv,) = vary_like((zeros_like(ops.k, acc),), *inputs)
     (dk, dv, dbias), dq = lax.scan(q_block_step, (zeros_kv, zeros_kv, dbias0),
                                    jnp.arange(plan.num_q_blocks))  # fmt: skip
     return _unblock(dq, t).astype(dtype), dk, dv, dbias

@@ -2,6 +2,8 @@
 # One call on the GPU machine: build the extension (incrementally, in the ignored build/ folder),
 # run the GPU tests, run the benchmark. Logs go to $OUT (the device tool's result folder) or
 # ./gpu_logs. Usage: scripts/gpu_check.sh [build|test|bench|sanitize|profile|all]
+#   A wheel in .whl-h100/ (scripts/build_h100_wheel.sh, carried) replaces the build: its module is
+#   unpacked beside the sources.
 #   TESTS="tests/test_cuda.py" K="causal"   which tests the test step runs
 #   TEST_TIMEOUT=300                        seconds before pytest is interrupted (SIGINT, so that it
 #                                           still prints what passed and failed so far)
@@ -37,7 +39,13 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-if [[ $step == build || $step == all ]]; then
+if [[ $step == build || $step == all ]] && compgen -G ".whl-h100/jax_flash-*.whl" > /dev/null; then
+  # Built elsewhere (scripts/build_h100_wheel.sh): its compiled module goes beside the sources.
+  $PY -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+[z.extract(n, '.') for n in z.namelist() if n.startswith('jax_flash/_cuda')]" .whl-h100/jax_flash-*.whl
+  cp .whl-h100/ptxas.txt "$OUT/ptxas.txt" 2> /dev/null || true
+  echo "build: the carried wheel's module, $(ls jax_flash/_cuda*)"
+elif [[ $step == build || $step == all ]]; then
   start=$(date +%s)
   # Only sm_90a here: the sm80 kernels compiled for it are the code the H100 runs anyway.
   JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_ARCHS=${JAX_FLASH_CUDA_ARCHS:-90a} JAX_FLASH_PTXAS_VERBOSE=1 \

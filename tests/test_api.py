@@ -107,7 +107,7 @@ def test_bad_arguments_raise_naming_the_argument(kwargs, error, name):
         (((2, 8, 4, 16), (2, 8, 2, 16), (2, 9, 2, 16)), ValueError, "value shape"),
         (((8, 4, 16), (2, 8, 2, 16), (2, 8, 2, 16)), ValueError, "same rank"),
         (((4, 16), (4, 16), (4, 16)), ValueError, "query must have shape"),
-        (((2, 0, 4, 16), (2, 8, 2, 16), (2, 8, 2, 16)), ValueError, "empty"),
+        (((2, 8, 4, 16), (2, 8, 0, 16), (2, 8, 0, 16)), ValueError, "at least one head"),
     ],
 )
 def test_bad_shapes(shapes, error, name):

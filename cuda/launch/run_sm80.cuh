@@ -6,6 +6,7 @@
 
 #include "common/bwd_preprocess.cuh"
 #include "common/dq_rows.cuh"
+#include "common/grid.cuh"
 #include "common/params.h"
 #include "launch/allow_smem.h"
 #include "sm80/bwd_kernels.cuh"
@@ -19,7 +20,9 @@ cudaError_t run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
   using Cfg = sm80::FwdConfig<T, kHeadDim, kVariant>;
   auto kernel = sm80::fwd_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
-  const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.batch * p.heads);
+  dim3 grid;
+  const int m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  if (cudaError_t e = batch_head_grid(m_blocks, int64_t(p.batch) * p.heads, &grid); e != cudaSuccess) return e;
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
@@ -30,7 +33,9 @@ cudaError_t run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   if (cudaError_t e = launch_bwd_preprocess<T, kHeadDim>(p, stream); e != cudaSuccess) return e;
   auto kernel = sm80::bwd_dkdv_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
-  const dim3 grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);
+  dim3 grid;
+  const int n_blocks = (p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  if (cudaError_t e = batch_head_grid(n_blocks, int64_t(p.batch) * p.kv_heads, &grid); e != cudaSuccess) return e;
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   return launch_dq_from_rows<T>(p, stream);

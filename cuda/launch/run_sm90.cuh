@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "common/bwd_preprocess.cuh"
+#include "common/grid.cuh"
 #include "common/params.h"
 #include "launch/allow_smem.h"
 #include "launch/tensor_map.h"
@@ -167,7 +168,9 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
     }
   }
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
-  const dim3 grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);
+  dim3 grid;
+  const int n_blocks = (p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  if (cudaError_t e = batch_head_grid(n_blocks, int64_t(p.batch) * p.kv_heads, &grid); e != cudaSuccess) return e;
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   return sm90::launch_dq_from_tiles<T, typename Cfg::Dq, Cfg::kBlockM>(p, stream);
@@ -198,10 +201,15 @@ cudaError_t launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
   }
   if (cudaError_t e = allow_smem(dkdv_kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   if (cudaError_t e = allow_smem(dq_kernel, DqCfg::kSmemBytes); e != cudaSuccess) return e;
-  const dim3 dkdv_grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.batch * p.kv_heads);
+  dim3 dkdv_grid, dq_grid;
+  const int n_blocks = (p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  const int m_blocks = (p.seqlen_q + DqCfg::kBlockM - 1) / DqCfg::kBlockM;
+  for (cudaError_t e : {batch_head_grid(n_blocks, int64_t(p.batch) * p.kv_heads, &dkdv_grid),
+                        batch_head_grid(m_blocks, int64_t(p.batch) * p.heads, &dq_grid)}) {
+    if (e != cudaSuccess) return e;
+  }
   dkdv_kernel<<<dkdv_grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  const dim3 dq_grid((p.seqlen_q + DqCfg::kBlockM - 1) / DqCfg::kBlockM, p.batch * p.heads);
   dq_kernel<<<dq_grid, DqCfg::kThreads, DqCfg::kSmemBytes, stream>>>(maps, p);
   return cudaGetLastError();
 }

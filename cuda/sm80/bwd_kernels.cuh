@@ -14,6 +14,7 @@
 
 #include "common/bwd_walk.cuh"
 #include "common/bias.cuh"
+#include "common/grid.cuh"
 #include "common/logits.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
@@ -53,7 +54,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int n_block = blockIdx.x;
-  const int batch = blockIdx.y / p.kv_heads, kv_head = blockIdx.y % p.kv_heads;
+  const int batch = batch_head_index() / p.kv_heads, kv_head = batch_head_index() % p.kv_heads;
   const int group = p.heads / p.kv_heads;
   const int k_first = n_block * kBlockN;
   const int keys_valid = min(kBlockN, p.seqlen_k - k_first);

@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "common/bias.cuh"
+#include "common/grid.cuh"
 #include "common/logits.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
@@ -39,7 +40,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   // Longest rows first: with a causal band the last query blocks have the most keys.
   const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int batch = blockIdx.y / p.heads, head = blockIdx.y % p.heads;
+  const int batch = batch_head_index() / p.heads, head = batch_head_index() % p.heads;
   const int kv_head = head / (p.heads / p.kv_heads);
   const int q_first = m_block * kBlockM;
   const int rows_valid = min(kBlockM, p.seqlen_q - q_first);

@@ -22,6 +22,7 @@
 #include <cmath>
 
 #include "common/bias.cuh"
+#include "common/grid.cuh"
 #include "common/logits.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
@@ -90,7 +91,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // The last query blocks first: under a causal band they see the most keys, so the short ones
   // fill in behind them.
   const int q_first = (gridDim.x - 1 - blockIdx.x) * kBlockM;
-  const int batch = blockIdx.y / p.heads, head = blockIdx.y % p.heads;
+  const int batch = batch_head_index() / p.heads, head = batch_head_index() % p.heads;
   const int kv_head = head / (p.heads / p.kv_heads);
   const Band band = Band::from<kMasked>(p, batch);
   // Key blocks n_end - 1 down to n_end - blocks (the band's edge first).

@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   __syncthreads();
 
   const bool dbias_shared = kBiasGrad && BiasGrad::shared_by_ctas(p);
-  const auto [n_block, batch, kv_head] = BwdCta::of<kLongestFirst>(p.kv_heads, dbias_shared);
+  const auto [n_block, batch, kv_head] = BwdCta::of<kLongestFirst>(p.batch, p.kv_heads, dbias_shared);
   const int group = p.heads / p.kv_heads;
   const int k_first = n_block * kBlockN;
   const Band band = Band::from<kMasked>(p, batch);
@@ -644,7 +644,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   ptx::named_barrier_sync(1 + consumer, 128);
   if (tid == 0) {
     // The coordinates derived again: kept from the top, they held registers across the loop.
-    const BwdCta cta = BwdCta::of<kLongestFirst>(p.kv_heads, kBiasGrad && BiasGrad::shared_by_ctas(p));
+    const BwdCta cta = BwdCta::of<kLongestFirst>(p.batch, p.kv_heads, kBiasGrad && BiasGrad::shared_by_ctas(p));
     const int batch = cta.batch, kv_head = cta.kv_head, key0 = cta.n_block * kBlockN + consumer * 64;
     for (int panel = 0; panel < Cfg::kPanels; ++panel) {
       const uint32_t off = panel * kBlockN * 128 + consumer * 64 * 128;

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "common/bwd_walk.cuh"
+#include "common/grid.cuh"
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
@@ -36,11 +37,11 @@ struct BwdTensorMaps {
 struct BwdCta {
   int n_block, batch, kv_head;
   template <bool kLongestFirst>
-  __device__ static BwdCta of(int kv_heads, bool all_heads_together = false) {
-    int n_block = blockIdx.x, batch_head = blockIdx.y;
+  __device__ static BwdCta of(int batch, int kv_heads, bool all_heads_together = false) {
+    int n_block = blockIdx.x, batch_head = batch_head_index();
     if constexpr (kLongestFirst) {
-      const int blocks = gridDim.x, heads = gridDim.y;
-      const int linear = blockIdx.y * blocks + blockIdx.x;
+      const int blocks = gridDim.x, heads = batch * kv_heads;
+      const int linear = batch_head * blocks + n_block;
       const int group_heads = all_heads_together ? heads : max(1, 256 / blocks);
       const int first_head = linear / (group_heads * blocks) * group_heads;
       const int heads_here = min(group_heads, heads - first_head);

@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const BwdBarriers<kStages> barriers{base_addr + Cfg::kBarriers};
 
   // Longest walks first: +2% at causal 2k-4k.
-  const auto [n_block, batch, kv_head] = BwdCta::of<true>(p.kv_heads);
+  const auto [n_block, batch, kv_head] = BwdCta::of<true>(p.batch, p.kv_heads);
   const int group = p.heads / p.kv_heads;
   const int k_first = n_block * kBlockN;
   const Band band = Band::from<kMasked>(p, batch);

@@ -1,0 +1,118 @@
+"""Edge shapes on the CUDA kernels, in both kernel families (marked `gpu`): batch x heads past the
+grid's y limit of 65,535, a tensor of more than 2^31 elements, one query or one key, 128 query
+heads over one kv head, the smallest head dims and empty inputs. The large ones are also marked
+`large` (seconds each, tens of GB): scripts/gpu_check.sh runs them; `-m "gpu and not large"` skips
+them. Their outputs and gradients are checked on sampled batch rows and heads against the float64
+reference (each batch row and head is independent of the others)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import _ffi
+from tests import reference
+from tests.cases import qkv, rng_for
+from tests.test_cuda import FWD_TOL, GRAD_TOL, check, poison_free_memory
+
+pytestmark = pytest.mark.gpu
+
+FAMILIES = ["best", "sm80"]
+
+
+def _forward_and_gradients(q, k, v, g_out, **kw):
+    """Output, lse and (dq, dk, dv) of sum(out * g_out) on the kernels."""
+
+    def loss(q, k, v):
+        return jnp.sum(jax_flash.attention(q, k, v, implementation="cuda", **kw).astype(jnp.float32) * g_out)
+
+    poison_free_memory()
+    out, lse = jax.jit(lambda q, k, v: jax_flash.attention(
+        q, k, v, implementation="cuda", return_residual=True, **kw))(q, k, v)  # fmt: skip
+    poison_free_memory()
+    return out, lse, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+def _reference(q, k, v, g_out, **kw):
+    out, lse = reference.attention(q, k, v, **kw)
+    grads = jax.grad(lambda q, k, v: jnp.sum(reference.attention(q, k, v, **kw)[0] * g_out), argnums=(0, 1, 2))
+    return out, lse, grads(q, k, v)
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("n,kv_heads", [(16, 16), (32, 4)], ids=["heads-and-kv-heads", "query-heads"])
+def test_batch_times_heads_above_the_grid_y_limit(monkeypatch, family, n, kv_heads):
+    """B = 4,375 x 16 heads (and kv heads) = 70,000, or x 32 query heads over 4 kv heads: above
+    gridDim.y's 65,535 (the launchers split it into y x z), forward and backward, T = 64."""
+    monkeypatch.setenv(_ffi.KERNELS_ENV, family)
+    b, t, h = 4375, 64, 64
+    rng = rng_for("grid-y", n, kv_heads)
+    q, k, v = qkv(rng, jnp.bfloat16, b, t, t, n, kv_heads, h)
+    g_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    out, lse, grads = _forward_and_gradients(q, k, v, g_out, is_causal=True)
+    rows = np.array([0, 1, b // 2, b - 2, b - 1])  # both ends of the grid's y and z
+    mine = (out[rows], lse[rows], *(g[rows] for g in grads))
+    expected = _reference(q[rows], k[rows], v[rows], g_out[rows], is_causal=True)
+    expected = (expected[0], expected[1], *expected[2])
+    for name, bound, x, ref in zip(["out", "lse", "dq", "dk", "dv"], [FWD_TOL, 1e-4] + [GRAD_TOL] * 3, mine, expected):
+        assert reference.rel_error(x, ref) < bound, name
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensors_above_2_to_the_31_elements(monkeypatch, family):
+    """q, k, v of 139,264 x 128 heads x 128 = 2.28e9 elements each (causal), forward and backward.
+    Checked on the last head's last 128 queries and keys, whose offsets pass 2^31: with a causal
+    mask those keys are seen by those queries alone, so a reference over them and every key of that
+    head gives their dK and dV exactly."""
+    monkeypatch.setenv(_ffi.KERNELS_ENV, family)
+    t, n, h, tail = 139264, 128, 128, 128
+    rng = rng_for("2^31", family)
+    keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 4)
+    q, k, v = (jax.random.normal(key, (1, t, n, h), jnp.bfloat16) for key in keys[:3])
+    g_out = jax.random.normal(keys[3], (1, t, n, h), jnp.bfloat16)
+    assert q.size > 2**31
+    out, lse, (dq, dk, dv) = _forward_and_gradients(q, k, v, g_out, is_causal=True)  # g_out in bf16: 4.6 GB
+    last = slice(n - 1, n)
+    head = lambda x: np.asarray(x[:, :, last], np.float64)  # noqa: E731
+    ref = _reference(head(q)[:, -tail:], head(k), head(v), head(g_out)[:, -tail:], is_causal=True)
+    mine = (out[:, -tail:, last], lse[:, -tail:, last], dq[:, -tail:, last], dk[:, -tail:, last], dv[:, -tail:, last])
+    expected = (ref[0], ref[1], ref[2][0], ref[2][1][:, -tail:], ref[2][2][:, -tail:])
+    for name, bound, x, r in zip(["out", "lse", "dq", "dk", "dv"], [FWD_TOL, 1e-4] + [GRAD_TOL] * 3, mine, expected):
+        assert reference.rel_error(x, r) < bound, name
+
+
+SMALL = {  # b, t, s, n, kv_heads, h, kwargs
+    "one query": (2, 1, 300, 4, 2, 128, {"is_causal": True}),
+    "one key": (2, 300, 1, 4, 2, 128, {}),
+    "one query, one key": (3, 1, 1, 4, 1, 64, {"is_causal": True}),
+    "128 query heads over 1 kv head": (1, 100, 200, 128, 1, 64, {"is_causal": True}),
+    "head dim 1": (2, 70, 90, 2, 1, 1, {}),
+    "head dim 8": (2, 70, 90, 2, 1, 8, {"local_window_size": (20, 5)}),
+    "head dim 16": (2, 70, 90, 4, 2, 16, {"is_causal": True}),
+}
+
+
+@pytest.mark.parametrize("shape", SMALL, ids=list(SMALL))
+def test_small_shapes(shape):
+    """Against the float64 reference and the xla path, in both families (tests/test_cuda.check)."""
+    b, t, s, n, kv_heads, h, kw = SMALL[shape]
+    check(jnp.bfloat16, b, t, s, n, kv_heads, h, **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("q_shape,kv_shape", [((0, 8, 4, 64), (0, 8, 2, 64)), ((2, 0, 4, 64), (2, 8, 2, 64)),
+                                              ((2, 8, 4, 64), (2, 0, 2, 64))], ids=["B=0", "T=0", "S=0"])  # fmt: skip
+def test_empty_inputs(monkeypatch, family, q_shape, kv_shape):
+    """As jax.nn: an empty output, or with no keys zeros and lse -inf; zero gradients, no NaN."""
+    monkeypatch.setenv(_ffi.KERNELS_ENV, family)
+    rng = rng_for("cuda-empty", q_shape, kv_shape)
+    q = jnp.asarray(rng.normal(size=q_shape), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.normal(size=kv_shape), jnp.bfloat16) for _ in range(2))
+    out, lse, grads = _forward_and_gradients(q, k, v, jnp.ones(q_shape, jnp.float32), is_causal=True)
+    np.testing.assert_array_equal(out, jax.nn.dot_product_attention(q, k, v))
+    assert out.shape == q_shape and lse.shape == q_shape[:3] and np.all(np.asarray(lse) == -np.inf)
+    for grad, x in zip(grads, (q, k, v)):
+        assert grad.shape == x.shape and not np.asarray(grad, np.float32).any()

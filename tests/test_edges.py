@@ -1,0 +1,160 @@
+"""Edge shapes on CPU, on the xla path and on the CUDA path's Python (with the pure-JAX stand-in
+for the kernels, tests/fake_kernels.py): empty inputs as `jax.nn.dot_product_attention` treats
+them, one query or one key, many query heads over one kv head, the smallest head dims, and the
+grid limit that decides whether the kernels can take a shape. What the kernels compute at these
+shapes is tested on GPUs (test_cuda_edges.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import cuda_impl
+from jax_flash._validation import validate
+from tests import fake_kernels, reference
+from tests.cases import qkv, rng_for
+
+IMPLEMENTATIONS = ["xla", "cuda-stand-in"]
+
+
+def _implementation(name: str, monkeypatch) -> str:
+    if name == "cuda-stand-in":
+        fake_kernels.install(monkeypatch)
+        return "cuda"
+    return name
+
+
+def _loss(implementation, **kw):
+    def loss(q, k, v):
+        out, lse = jax_flash.attention(q, k, v, implementation=implementation, return_residual=True, **kw)
+        finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(finite_lse)
+
+    return loss
+
+
+EMPTY_SHAPES = {  # (query shape, key/value shape)
+    "batch 0": ((0, 8, 4, 16), (0, 8, 2, 16)),
+    "queries 0": ((2, 0, 4, 16), (2, 8, 2, 16)),
+    "keys 0": ((2, 8, 4, 16), (2, 0, 2, 16)),
+    "heads 0": ((2, 8, 0, 16), (2, 8, 2, 16)),
+    "head dim 0": ((2, 8, 4, 0), (2, 5, 2, 0)),
+}
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("shapes", EMPTY_SHAPES, ids=list(EMPTY_SHAPES))
+def test_empty_inputs_as_jax_nn(monkeypatch, implementation, shapes):
+    """Outputs (values and shapes) as `jax.nn.dot_product_attention` gives them; no keys: every
+    row empty (output 0, lse -inf); gradients of the inputs' shapes, 0 and never NaN."""
+    implementation = _implementation(implementation, monkeypatch)
+    q_shape, kv_shape = EMPTY_SHAPES[shapes]
+    rng = rng_for("empty", shapes)
+    q = jnp.asarray(rng.normal(size=q_shape), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.normal(size=kv_shape), jnp.bfloat16) for _ in range(2))
+    for is_causal in (False, True):
+        out, lse = jax_flash.attention(q, k, v, is_causal=is_causal, implementation=implementation,
+                                       return_residual=True)  # fmt: skip
+        with np.errstate(divide="ignore"):  # jax.nn's default scale at H = 0
+            expected = jax.nn.dot_product_attention(q, k, v, implementation="xla")
+        assert out.shape == expected.shape == q_shape and lse.shape == q_shape[:3]
+        np.testing.assert_array_equal(out, expected)
+        if k.shape[1] == 0:  # every row empty
+            assert not np.asarray(out).any() and np.all(np.asarray(lse) == -np.inf)
+        else:
+            scale = None if q.shape[3] else 1.0  # H = 0: no logits to scale (they are all 0)
+            ref_out, ref_lse = reference.attention(q, k, v, is_causal=is_causal, scale=scale)
+            np.testing.assert_allclose(out, ref_out, atol=1e-6)
+            np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
+        grads = jax.grad(_loss(implementation, is_causal=is_causal), argnums=(0, 1, 2))(q, k, v)
+        for grad, x in zip(grads, (q, k, v)):
+            assert grad.shape == x.shape and not np.isnan(np.asarray(grad)).any()
+        if k.shape[1] == 0:  # no keys: nothing depends on the inputs
+            assert all(not np.asarray(g).any() for g in grads)
+
+
+def test_no_kv_heads_is_a_clear_error():
+    q, k = jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 0, 8))
+    with pytest.raises(ValueError, match="key must have at least one head"):
+        jax_flash.attention(q, k, k)
+
+
+SMALL_SHAPES = {  # b, t, s, n, kv_heads, h, kwargs
+    "one query": (2, 1, 37, 4, 2, 32, {"is_causal": True}),
+    "one key": (2, 37, 1, 4, 2, 32, {}),
+    "one query, one key": (3, 1, 1, 2, 1, 64, {"is_causal": True}),
+    "128 query heads over 1 kv head": (1, 24, 40, 128, 1, 32, {"is_causal": True}),
+    "head dim 1": (2, 19, 23, 2, 1, 1, {}),
+    "head dim 8": (2, 19, 23, 2, 1, 8, {"local_window_size": (4, 2)}),
+    "head dim 16": (2, 19, 23, 2, 2, 16, {"is_causal": True}),
+}
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=list(SMALL_SHAPES))
+def test_small_shapes_against_the_reference(monkeypatch, implementation, shape):
+    implementation = _implementation(implementation, monkeypatch)
+    b, t, s, n, kv_heads, h, kw = SMALL_SHAPES[shape]
+    q, k, v = qkv(rng_for("small", shape), jnp.bfloat16, b, t, s, n, kv_heads, h)
+    out, lse = jax_flash.attention(q, k, v, implementation=implementation, return_residual=True, **kw)
+    ref_out, ref_lse = reference.attention(q, k, v, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert reference.rel_error(out, ref_out) < 1e-2
+    assert reference.rel_error(lse, ref_lse) < 1e-4
+    grads = jax.grad(_loss(implementation, **kw), argnums=(0, 1, 2))(q, k, v)
+    ref_grads = jax.grad(lambda q, k, v: _reference_loss(q, k, v, **kw), argnums=(0, 1, 2))(q, k, v)
+    for name, grad, ref in zip("qkv", grads, ref_grads):
+        assert reference.rel_error(grad, ref) < 2e-2, name
+
+
+def _reference_loss(q, k, v, **kw):
+    out, lse = reference.attention(q, k, v, **kw)
+    return jnp.sum(out**2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+
+def _shape_only(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def test_batch_times_heads_past_the_grid_y_limit_runs_on_the_kernels(monkeypatch):
+    """70,000 batch x heads (and kv heads), above gridDim.y's 65,535: the launchers split it into
+    y and z (cuda/common/grid.cuh), so auto mode keeps the call on the kernels. Traced, not run."""
+    fake_kernels.install(monkeypatch)
+    q = k = _shape_only((4375, 64, 16, 64))
+    assert _unsupported_reason(q, k) is None
+    out = jax.eval_shape(lambda q, k: jax_flash.attention(q, k, k, is_causal=True, implementation="cuda"), q, k)
+    assert out.shape == q.shape
+
+
+def test_a_batch_times_heads_the_grid_cannot_split_is_refused_by_name(monkeypatch):
+    """65,537 (a prime) x 2 heads has no split y x z with both at most 65,535: `implementation="cuda"`
+    raises a ValueError naming the shape and the limit, and auto mode takes the xla path."""
+    fake_kernels.install(monkeypatch)
+    q = k = _shape_only((65537, 8, 2, 32))
+    reason = _unsupported_reason(q, k)
+    assert reason is not None and "65537 x 2 = 131074" in reason and str(cuda_impl.MAX_GRID_YZ) in reason
+    with pytest.raises(ValueError, match="no split into the CUDA grid"):
+        jax.eval_shape(lambda q, k: jax_flash.attention(q, k, k, implementation="cuda"), q, k)
+
+
+@pytest.mark.parametrize("batch_heads,fits", [(1, True), (65535, True), (70000, True), (32768 * 65535, True),
+                                              (65537, False), (2 * 65537, False), (65535 * 65535, False)])
+def test_the_grid_split_rule(batch_heads, fits):
+    """y x z, each at most 65,535, and the product within the kernels' 32-bit index."""
+    assert cuda_impl.grid_fits(batch_heads) is fits
+
+
+def _unsupported_reason(q, k):
+    """What `unsupported_reason` says of attention(q, k, k), from shapes alone."""
+    none = dict(scale=None, is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                local_window_size=None, implementation=None, return_residual=False, softcap=None,
+                q_segment_ids=None, kv_segment_ids=None)  # fmt: skip
+    reasons = []
+
+    def trace(q, k):
+        reasons.append(cuda_impl.unsupported_reason(validate(q, k, k, None, None, **none)))
+        return q
+
+    jax.eval_shape(trace, q, k)
+    return reasons[0]
