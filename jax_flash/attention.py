@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Literal, overload
 
 import jax
+import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jax_flash import cuda_impl, xla_impl
+from jax_flash import cuda_impl, dense_impl, xla_impl
 from jax_flash._validation import Call, validate
 
 
@@ -95,7 +96,9 @@ def attention(
         of its own segment (packed documents).
 
     A query row that sees no key (padding, segments, windows, masks) gets output 0 and
-    log-sum-exp `-inf`, and passes no gradient; never NaN.
+    log-sum-exp `-inf`, and passes no gradient; never NaN. Empty inputs are taken as
+    `jax.nn.dot_product_attention` takes them: `B`, `T`, `N` or `H` of 0 give an empty output,
+    `S` of 0 an output of zeros (every row empty), all with zero gradients.
 
     Returns:
       The output, shaped and typed like `query`; with `return_residual`, `(output, lse)`.
@@ -107,10 +110,37 @@ def attention(
         implementation=implementation, return_residual=return_residual, softcap=softcap,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
     )  # fmt: skip
-    out, lse = cuda_impl.attention(call) if uses_cuda(call, implementation) else xla_impl.attention(call)
+    if has_nothing_to_compute(call):
+        out, lse = nothing_computed(call)
+    elif uses_cuda(call, implementation):
+        out, lse = cuda_impl.attention(call)
+    else:
+        out, lse = xla_path(call)
     if not call.batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residual else out
+
+
+def has_nothing_to_compute(call: Call) -> bool:
+    """No query rows (B, T or N is 0) or no keys (S = 0). (H = 0 has logits, all 0, and a
+    log-sum-exp: the usual paths compute it.)"""
+    b, t, n, _ = call.query.shape
+    return b * t * n == 0 or call.key.shape[1] == 0
+
+
+def nothing_computed(call: Call) -> tuple[jax.Array, jax.Array]:
+    """The result of a call with nothing to compute, as `jax.nn.dot_product_attention` gives it:
+    with no keys every row is empty (output 0, log-sum-exp -inf). Nothing depends on the inputs,
+    so every gradient is 0."""
+    q = call.query
+    lse_dtype = jnp.promote_types(q.dtype, jnp.float32)
+    return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, lse_dtype)
+
+
+def xla_path(call: Call) -> tuple[jax.Array, jax.Array]:
+    """The `xla` path: dense where the T x S scores fit the memory budget (dense_impl.py), else
+    blockwise in O(seqlen) memory."""
+    return dense_impl.attention(call) if dense_impl.fits(call) else xla_impl.attention(call)
 
 
 def uses_cuda(call: Call, implementation: str | None) -> bool:

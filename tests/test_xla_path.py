@@ -1,7 +1,8 @@
-"""The pure-JAX blockwise path against the naive float64 reference: outputs, log-sum-exp and
-gradients over mask cases, dtypes, head dims, T != S and GQA/MQA.
+"""The pure-JAX paths against the naive float64 reference: outputs, log-sum-exp and gradients
+over mask cases, dtypes, head dims, T != S and GQA/MQA; the blockwise path (xla_impl.py) and the
+dense formulation (dense_impl.py) that `implementation="xla"` takes where the scores fit.
 
-Small blocks (16) make every test cross several query and key blocks and their tails.
+Small blocks (16) make every blockwise test cross several query and key blocks and their tails.
 """
 
 import jax
@@ -9,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_flash import xla_impl
+import jax_flash
+from jax_flash import dense_impl, xla_impl
 from jax_flash._validation import validate
 from tests import reference
 from tests.cases import CASES, qkv, rng_for
@@ -21,6 +23,7 @@ TOL = {  # relative error bounds: (output, gradients)
     jnp.bfloat16: (1e-2, 2e-2),
 }
 DIFF_ARGS = ("q", "k", "v", "bias")
+DENSE = None  # run_xla's block for the dense formulation
 
 
 def run_xla(q, k, v, block=16, **kwargs):
@@ -29,6 +32,8 @@ def run_xla(q, k, v, block=16, **kwargs):
                     return_residual=True, softcap=None, q_segment_ids=None, kv_segment_ids=None)
     kw = {**defaults, **kwargs}
     call = validate(q, k, v, kw.pop("bias"), kw.pop("mask"), **kw)
+    if block is DENSE:
+        return dense_impl.attention(call)
     return xla_impl.attention(call, block_q=block, block_k=block)
 
 
@@ -72,11 +77,50 @@ def test_float64_every_case(case, t, s):
     check_against_reference(jnp.float64, 3, t, s, 4, 2, 16, case)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("t,s", [(37, 37), (21, 50), (50, 19)])
+def test_dense_float64_every_case(case, t, s):
+    check_against_reference(jnp.float64, 3, t, s, 4, 2, 16, case, block=DENSE)
+
+
+@pytest.mark.parametrize("block", [16, DENSE], ids=["blockwise", "dense"])
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("h", [32, 64, 128])
 @pytest.mark.parametrize("case", ["none", "causal"])
-def test_dtypes_and_head_dims(dtype, h, case):
-    check_against_reference(dtype, 2, 45, 70, 4, 2, h, case)
+def test_dtypes_and_head_dims(dtype, h, case, block):
+    check_against_reference(dtype, 2, 45, 70, 4, 2, h, case, block=block)
+
+
+def _has_loop(fn, *args) -> bool:
+    jaxpr = str(jax.make_jaxpr(fn)(*args))
+    return "while" in jaxpr or "scan" in jaxpr
+
+
+def test_dense_below_the_budget_blockwise_above(monkeypatch):
+    """`implementation="xla"` forms the scores whole where they fit the budget (1 x 4 x 45 x 70
+    float32 here), and loops over blocks (O(seqlen) memory) where they do not, forward and
+    backward."""
+    q, k, v = qkv(rng_for("budget"), jnp.float32, 1, 45, 70, 4, 2, 16)
+
+    def attn(q, k, v):
+        return jax_flash.attention(q, k, v, is_causal=True, implementation="xla")
+
+    def traced_have_loops():  # new functions each time: JAX caches traces by function
+        fwd = lambda q, k, v: attn(q, k, v)  # noqa: E731
+        grad = jax.grad(lambda q, k, v: attn(q, k, v).sum(), argnums=(0, 1, 2))
+        return _has_loop(fwd, q, k, v), _has_loop(grad, q, k, v)
+
+    assert dense_impl.fits(validate(q, k, v, None, None, **_NO_OPTIONS))
+    assert traced_have_loops() == (False, False)
+    dense_out = attn(q, k, v)
+    monkeypatch.setattr(dense_impl, "budget_bytes", lambda: 4 * 45 * 70 * 4 - 1)
+    assert traced_have_loops() == (True, True)
+    np.testing.assert_allclose(attn(q, k, v), dense_out, rtol=1e-5, atol=1e-6)
+
+
+_NO_OPTIONS = dict(scale=None, is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                   local_window_size=None, implementation="xla", return_residual=False, softcap=None,
+                   q_segment_ids=None, kv_segment_ids=None)  # fmt: skip
 
 
 @pytest.mark.parametrize("n,kv_heads", [(4, 4), (6, 3), (4, 1)])
@@ -100,16 +144,17 @@ def test_default_blocks_match_small_blocks():
     np.testing.assert_allclose(small[1], large[1], rtol=1e-6)
 
 
-def test_fully_masked_rows_give_zero_and_no_nan():
+@pytest.mark.parametrize("block", [16, DENSE], ids=["blockwise", "dense"])
+def test_fully_masked_rows_give_zero_and_no_nan(block):
     rng = rng_for("masked")
     q, k, v = qkv(rng, jnp.bfloat16, 2, 24, 24, 2, 2, 16)
     lengths = jnp.asarray([0, 10], jnp.int32)
 
     def loss(q, k, v):
-        out = run_xla(q, k, v, query_seq_lengths=lengths, key_value_seq_lengths=lengths)[0]
+        out = run_xla(q, k, v, block, query_seq_lengths=lengths, key_value_seq_lengths=lengths)[0]
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
-    out, lse = run_xla(q, k, v, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+    out, lse = run_xla(q, k, v, block, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
     grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     assert jnp.all(out[0] == 0) and jnp.all(out[1, 10:] == 0)
     assert jnp.all(lse[0] == -jnp.inf) and jnp.all(jnp.isfinite(lse[1, :10]))

@@ -1,0 +1,128 @@
+"""The `xla` path's dense formulation, for calls whose T x S scores fit a memory budget.
+
+Where the scores fit, forming them whole is what XLA does fastest (one product, one softmax, one
+product, and JAX's own gradient), as `jax.nn.dot_product_attention(implementation="xla")` does;
+the blockwise loops of xla_impl.py only pay where memory would not allow that. The semantics are
+the blockwise path's, from the same pieces (xla_impl's `_logits` with one block spanning the
+whole sequence): masks, segments, soft cap, bias, the bottom-right diagonal, empty rows 0 with
+log-sum-exp -inf and zero gradients.
+
+The budget counts one float32 [B, N, T, S] score matrix (JAX's gradient keeps about three such
+arrays alive): 1/16 of the device's memory on a GPU (about 4.7 GB on an H100, whose JAX client
+takes 75% of its 80 GB), 256 MiB elsewhere (CPU). Measured crossovers: docs/PERF.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash import xla_impl
+from jax_flash._validation import Call
+
+CPU_BUDGET_BYTES = 256 * 2**20
+GPU_MEMORY_FRACTION = 1 / 16
+
+
+def budget_bytes() -> int:
+    """The largest float32 score matrix the dense formulation may form, on the default backend."""
+    if jax.default_backend() != "gpu":
+        return CPU_BUDGET_BYTES
+    stats = jax.devices()[0].memory_stats() or {}
+    return int(stats.get("bytes_limit", 16 * 2**30) * GPU_MEMORY_FRACTION)
+
+
+def score_bytes(call: Call) -> int:
+    b, t, n, _ = call.query.shape
+    return 4 * b * n * t * call.key.shape[1]
+
+
+def fits(call: Call) -> bool:
+    return score_bytes(call) <= budget_bytes()
+
+
+def _per_batch_row(call: Call) -> bool:
+    """Whether visibility differs between batch rows (lengths, segment ids)."""
+    return any(x is not None for x in (call.query_seq_lengths, call.key_value_seq_lengths, call.q_segment_ids))
+
+
+def _band(call: Call) -> jax.Array | None:
+    """Boolean [B or 1, 1, T, S] of what the lengths, causal mask, window and segments let
+    through; None where none of them is given."""
+    cfg = call.config
+    t, s = call.query.shape[1], call.key.shape[1]
+    if _per_batch_row(call):
+        plan = xla_impl._Plan(t, s, 1, 1, None)  # one block spanning both sequences: nothing padded
+        return xla_impl.band_visible(cfg, plan, xla_impl._operands(call, plan), 0, 0)[:, None]
+    if cfg.window_left is None and cfg.window_right is None:
+        return None
+    diagonal = jnp.arange(t)[:, None] + (s - t)  # bottom-right aligned
+    keys = jnp.arange(s)[None, :]
+    visible = jnp.ones((t, s), bool)
+    if cfg.window_left is not None:
+        visible &= keys >= diagonal - cfg.window_left
+    if cfg.window_right is not None:
+        visible &= keys <= diagonal + cfg.window_right
+    return visible
+
+
+def _every_row_sees_a_key(call: Call) -> bool:
+    """Known before running: no mask, bias, lengths or segments, and S >= T, so that each query's
+    diagonal key (which every band keeps) exists."""
+    no_masks = call.mask is None and call.bias is None and not _per_batch_row(call)
+    return no_masks and call.key.shape[1] >= call.query.shape[1]
+
+
+def _grouped(x: jax.Array | None, kv_heads: int, group: int):
+    """A [B or 1, N or 1, T or 1, S or 1] bias or mask, and its vmap axis over the query heads of a
+    kv head: split as [B, K, G, T, S] (axis 2) where it has every head, as it is (None) where not."""
+    if x is None or x.shape[1] == 1:
+        return x, None
+    return x.reshape(x.shape[0], kv_heads, group, *x.shape[2:]), 2
+
+
+def _one_query_head_per_kv_head(q, k, v, bias, mask, band, *, scale: float, softcap: float | None,
+                                rows_see_keys: bool):
+    """(out [B, T, K, H], lse [B, K, T]) for one query head of each kv head; `rows_see_keys`:
+    known to leave no row without a key (then no guard against empty rows is computed)."""
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    logits = jnp.einsum("btkh,bskh->bkts", q, k, preferred_element_type=acc) * scale
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    if bias is not None:
+        logits = logits + bias.astype(acc)
+    visible = band if mask is None else mask if band is None else mask & band
+    if visible is not None:
+        logits = jnp.where(visible, logits, -jnp.inf)
+    if rows_see_keys:
+        probs, lse = jax.nn.softmax(logits, axis=-1), jax.nn.logsumexp(logits, axis=-1)
+    else:
+        # Hidden logits (and a bias's -inf) at the float's minimum, not -inf: a row with none
+        # visible then has a finite softmax (no NaN in the gradient), which `seen` sets to 0.
+        seen = (logits > -jnp.inf).any(-1, keepdims=True)
+        finite = jnp.maximum(logits, jnp.finfo(acc).min)
+        probs = jax.nn.softmax(finite, axis=-1) * seen
+        lse = jnp.where(seen, jax.nn.logsumexp(finite, axis=-1, keepdims=True), -jnp.inf)[..., 0]
+    out = jnp.einsum("bkts,bskh->btkh", probs.astype(v.dtype), v, preferred_element_type=acc)
+    return out.astype(q.dtype), lse
+
+
+def attention(call: Call) -> tuple[jax.Array, jax.Array]:
+    """(output [B, T, N, H], lse [B, T, N]) of a validated call, differentiable by JAX.
+
+    As jax.nn's xla path does, the query heads of each kv head are a vmapped axis over a
+    computation in [B, K, T, S]: on a CPU its gradient ran 1.2-1.5x faster than the same
+    products written on [B, N, T, S] or [B, K, G, T, S] (docs/PERF.md)."""
+    q, k, v, cfg = call.query, call.key, call.value, call.config
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    group = n // kv_heads
+    bias, bias_axis = _grouped(call.bias, kv_heads, group)
+    mask, mask_axis = _grouped(call.mask, kv_heads, group)
+    core = functools.partial(_one_query_head_per_kv_head, scale=cfg.scale, softcap=cfg.softcap,
+                             rows_see_keys=_every_row_sees_a_key(call))  # fmt: skip
+    per_group = jax.vmap(core, in_axes=(3, None, None, bias_axis, mask_axis, None), out_axes=(3, 2))
+    out, lse = per_group(q.reshape(b, t, kv_heads, group, h), k, v, bias, mask, _band(call))
+    return out.reshape(b, t, n, h), lse.reshape(b, n, t).transpose(0, 2, 1)
