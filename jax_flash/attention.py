@@ -121,6 +121,38 @@ def attention(
     return (out, lse) if return_residual else out
 
 
+def chosen_implementation(query, key, value, bias=None, mask=None, **kwargs) -> str:
+    """Which path `attention` takes for these arguments (the same ones, arrays or
+    `jax.ShapeDtypeStruct`s): "cuda", "xla-dense" (the scores formed whole, within the memory
+    budget), "xla-blockwise" (O(seqlen) memory) or "none" (empty inputs: nothing to compute)."""
+    reasons = []
+
+    def trace(query, key, value, bias, mask):
+        call = validate(query, key, value, bias, mask, **_with_defaults(kwargs))
+        if has_nothing_to_compute(call):
+            reasons.append("none")
+        elif uses_cuda(call, kwargs.get("implementation")):
+            reasons.append("cuda")
+        else:
+            reasons.append("xla-dense" if dense_impl.fits(call) else "xla-blockwise")
+        return query
+
+    jax.eval_shape(trace, query, key, value, bias, mask)
+    return reasons[0]
+
+
+_OPTIONS = dict(scale=None, is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                local_window_size=None, implementation=None, return_residual=False, softcap=None,
+                q_segment_ids=None, kv_segment_ids=None)  # fmt: skip
+
+
+def _with_defaults(kwargs: dict) -> dict:
+    unknown = set(kwargs) - set(_OPTIONS)
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}; allowed: {sorted(_OPTIONS)}")
+    return {**_OPTIONS, **kwargs}
+
+
 def has_nothing_to_compute(call: Call) -> bool:
     """No query rows (B, T or N is 0) or no keys (S = 0). (H = 0 has logits, all 0, and a
     log-sum-exp: the usual paths compute it.)"""

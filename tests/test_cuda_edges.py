@@ -13,7 +13,7 @@ import pytest
 import jax_flash
 from jax_flash import _ffi
 from tests import reference
-from tests.cases import qkv, rng_for
+from tests.cases import rng_for
 from tests.test_cuda import FWD_TOL, GRAD_TOL, check, poison_free_memory
 
 pytestmark = pytest.mark.gpu
@@ -34,6 +34,14 @@ def _forward_and_gradients(q, k, v, g_out, **kw):
     return out, lse, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
 
+def _random_on_device(rng, q_shape, kv_shape):
+    """Fresh normal bf16 q, k, v and output cotangent, drawn on the GPU (NumPy would take minutes
+    for tensors of billions of elements)."""
+    keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 4)
+    shapes = (q_shape, kv_shape, kv_shape, q_shape)
+    return tuple(jax.random.normal(key, shape, jnp.bfloat16) for key, shape in zip(keys, shapes))
+
+
 def _reference(q, k, v, g_out, **kw):
     out, lse = reference.attention(q, k, v, **kw)
     grads = jax.grad(lambda q, k, v: jnp.sum(reference.attention(q, k, v, **kw)[0] * g_out), argnums=(0, 1, 2))
@@ -48,9 +56,7 @@ def test_batch_times_heads_above_the_grid_y_limit(monkeypatch, family, n, kv_hea
     gridDim.y's 65,535 (the launchers split it into y x z), forward and backward, T = 64."""
     monkeypatch.setenv(_ffi.KERNELS_ENV, family)
     b, t, h = 4375, 64, 64
-    rng = rng_for("grid-y", n, kv_heads)
-    q, k, v = qkv(rng, jnp.bfloat16, b, t, t, n, kv_heads, h)
-    g_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    q, k, v, g_out = _random_on_device(rng_for("grid-y", n, kv_heads), (b, t, n, h), (b, t, kv_heads, h))
     out, lse, grads = _forward_and_gradients(q, k, v, g_out, is_causal=True)
     rows = np.array([0, 1, b // 2, b - 2, b - 1])  # both ends of the grid's y and z
     mine = (out[rows], lse[rows], *(g[rows] for g in grads))
@@ -60,24 +66,40 @@ def test_batch_times_heads_above_the_grid_y_limit(monkeypatch, family, n, kv_hea
         assert reference.rel_error(x, ref) < bound, name
 
 
+def _separable_cotangent(t: int, n: int, h: int, rows=slice(None), heads=slice(None)):
+    """An output cotangent [1, T, N, H] built from one vector per axis (made where it is used, never
+    stored whole: a float32 one of 2^31 elements is 9 GB), or its [rows, heads] part in float64."""
+    lib = jnp if rows == slice(None) else np
+    i, head, col = (lib.arange(size, dtype=lib.float32 if lib is jnp else np.float64) for size in (t, n, h))
+    return (lib.cos(0.37 * i[rows])[:, None, None] * lib.cos(0.5 * head[heads][:, None] + 0.11 * col))[None]
+
+
 @pytest.mark.large
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tensors_above_2_to_the_31_elements(monkeypatch, family):
     """q, k, v of 139,264 x 128 heads x 128 = 2.28e9 elements each (causal), forward and backward.
     Checked on the last head's last 128 queries and keys, whose offsets pass 2^31: with a causal
     mask those keys are seen by those queries alone, so a reference over them and every key of that
-    head gives their dK and dV exactly."""
+    head gives their dK and dV exactly. No poisoned memory here: the values are checked, and with
+    it (and with float64 enabled, as conftest.py does) XLA's GPU compiler crashed on this forward
+    (a segmentation fault, jaxlib 0.11.2, 2026-11-27), which the same program alone did not."""
     monkeypatch.setenv(_ffi.KERNELS_ENV, family)
     t, n, h, tail = 139264, 128, 128, 128
-    rng = rng_for("2^31", family)
-    keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 4)
-    q, k, v = (jax.random.normal(key, (1, t, n, h), jnp.bfloat16) for key in keys[:3])
-    g_out = jax.random.normal(keys[3], (1, t, n, h), jnp.bfloat16)
-    assert q.size > 2**31
-    out, lse, (dq, dk, dv) = _forward_and_gradients(q, k, v, g_out, is_causal=True)  # g_out in bf16: 4.6 GB
+    with jax.enable_x64(False):
+        q, k, v, _ = _random_on_device(rng_for("2^31", family), (1, t, n, h), (1, t, n, h))
+        assert q.size > 2**31
+        out, lse = jax.jit(lambda q, k, v: jax_flash.attention(
+            q, k, v, is_causal=True, implementation="cuda", return_residual=True))(q, k, v)  # fmt: skip
+
+        def loss(q, k, v):
+            out = jax_flash.attention(q, k, v, is_causal=True, implementation="cuda")
+            return jnp.sum(out.astype(jnp.float32) * _separable_cotangent(t, n, h))
+
+        dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     last = slice(n - 1, n)
     head = lambda x: np.asarray(x[:, :, last], np.float64)  # noqa: E731
-    ref = _reference(head(q)[:, -tail:], head(k), head(v), head(g_out)[:, -tail:], is_causal=True)
+    g_tail = _separable_cotangent(t, n, h, rows=slice(t - tail, t), heads=last)
+    ref = _reference(head(q)[:, -tail:], head(k), head(v), g_tail, is_causal=True)
     mine = (out[:, -tail:, last], lse[:, -tail:, last], dq[:, -tail:, last], dk[:, -tail:, last], dv[:, -tail:, last])
     expected = (ref[0], ref[1], ref[2][0], ref[2][1][:, -tail:], ref[2][2][:, -tail:])
     for name, bound, x, r in zip(["out", "lse", "dq", "dk", "dv"], [FWD_TOL, 1e-4] + [GRAD_TOL] * 3, mine, expected):

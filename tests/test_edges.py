@@ -70,6 +70,8 @@ def test_empty_inputs_as_jax_nn(monkeypatch, implementation, shapes):
         grads = jax.grad(_loss(implementation, is_causal=is_causal), argnums=(0, 1, 2))(q, k, v)
         for grad, x in zip(grads, (q, k, v)):
             assert grad.shape == x.shape and not np.isnan(np.asarray(grad)).any()
+        path = "none" if shapes != "head dim 0" else "cuda" if implementation == "cuda" else "xla-dense"
+        assert jax_flash.chosen_implementation(q, k, v, implementation=implementation) == path
         if k.shape[1] == 0:  # no keys: nothing depends on the inputs
             assert all(not np.asarray(g).any() for g in grads)
 

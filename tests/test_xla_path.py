@@ -112,9 +112,11 @@ def test_dense_below_the_budget_blockwise_above(monkeypatch):
 
     assert dense_impl.fits(validate(q, k, v, None, None, **_NO_OPTIONS))
     assert traced_have_loops() == (False, False)
+    assert jax_flash.chosen_implementation(q, k, v, implementation="xla") == "xla-dense"
     dense_out = attn(q, k, v)
     monkeypatch.setattr(dense_impl, "budget_bytes", lambda: 4 * 45 * 70 * 4 - 1)
     assert traced_have_loops() == (True, True)
+    assert jax_flash.chosen_implementation(q, k, v, implementation="xla") == "xla-blockwise"
     np.testing.assert_allclose(attn(q, k, v), dense_out, rtol=1e-5, atol=1e-6)
 
 
