@@ -8,8 +8,10 @@ whole sequence): masks, segments, soft cap, bias, the bottom-right diagonal, emp
 log-sum-exp -inf and zero gradients.
 
 The budget counts one float32 [B, N, T, S] score matrix (JAX's gradient keeps about three such
-arrays alive): 1/16 of the device's memory on a GPU (about 4.7 GB on an H100, whose JAX client
-takes 75% of its 80 GB), 256 MiB elsewhere (CPU). Measured crossovers: docs/PERF.md.
+arrays alive): 1/16 of the device's memory on a GPU (about 3.7 GB on an H100, whose JAX client
+takes 75% of its 80 GB: the dense path ran 3-4x faster than the blockwise one at 2 GB of scores,
+d = 320-1024), 8 MiB elsewhere: on a CPU the blockwise path was already faster from 16 MiB of
+scores (docs/PERF.md, "The xla path's dense formulation").
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 from jax_flash import xla_impl
 from jax_flash._validation import Call
 
-CPU_BUDGET_BYTES = 256 * 2**20
+CPU_BUDGET_BYTES = 8 * 2**20
 GPU_MEMORY_FRACTION = 1 / 16
 
 
