@@ -1,7 +1,8 @@
 """jax_flash: FlashAttention for JAX, with CUDA kernels and a pure-JAX blockwise path."""
 
 from jax_flash.attention import attention, chosen_implementation
+from jax_flash.paged import paged_attention
 from jax_flash.ring import ring_attention, unzigzag, zigzag
 
-__all__ = ["attention", "chosen_implementation", "ring_attention", "unzigzag", "zigzag"]
+__all__ = ["attention", "chosen_implementation", "paged_attention", "ring_attention", "unzigzag", "zigzag"]
 __version__ = "0.1.0"

@@ -1,0 +1,89 @@
+"""`jax_flash.paged_attention`: attention of each sequence's last queries over a paged KV cache.
+
+The cache is one pool of pages shared by every sequence (`[P, page_size, K, H]`); a sequence's
+tokens are the pages its row of `page_indices` names, in order. Today every implementation
+gathers each sequence's pages into a dense `[B, S, K, H]` cache and runs `jax_flash.attention`
+on it with the sequence lengths (the CUDA kernels where they take the call, the xla path
+elsewhere); kernels that read the pages in place are the decode issue's next step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash._validation import INPUT_DTYPES, _as_array, _check_lengths
+from jax_flash.attention import attention
+
+
+def _check_pages(query, key_pages, value_pages, lengths, page_indices):
+    query, key_pages, value_pages = (
+        _as_array(x, name) for x, name in ((query, "query"), (key_pages, "key_pages"), (value_pages, "value_pages"))
+    )
+    if query.ndim != 4:
+        raise ValueError(f"query must have shape [B, T, N, H], got shape {query.shape}")
+    for name, x in (("key_pages", key_pages), ("value_pages", value_pages)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have shape [P, page_size, K, H], got shape {x.shape}")
+        if x.dtype != query.dtype or query.dtype not in INPUT_DTYPES:
+            allowed = ", ".join(jnp.dtype(d).name for d in INPUT_DTYPES)
+            raise TypeError(f"query and {name} must share one dtype of {allowed}, got {query.dtype} and {x.dtype}")
+    if value_pages.shape != key_pages.shape:
+        raise ValueError(f"value_pages shape must equal key_pages shape {key_pages.shape}, got {value_pages.shape}")
+    b, _, n, h = query.shape
+    pool, page_size, kv_heads, kh = key_pages.shape
+    if kh != h:
+        raise ValueError(f"key_pages head dim must equal query's ({h}), got shape {key_pages.shape}")
+    if pool == 0 or page_size == 0 or kv_heads == 0 or n % kv_heads != 0:
+        raise ValueError(f"key_pages must have at least one page, token and kv head, with the query heads ({n}) a "
+                         f"multiple of the kv heads; got shape {key_pages.shape}")  # fmt: skip
+    lengths = _check_lengths(lengths, "lengths", b)
+    if lengths is None:
+        raise TypeError("lengths must be an int array of shape (B,)")
+    page_indices = _as_array(page_indices, "page_indices")
+    if not jnp.issubdtype(page_indices.dtype, jnp.integer):
+        raise TypeError(f"page_indices must be an integer array, got dtype {page_indices.dtype}")
+    if page_indices.ndim != 2 or page_indices.shape[0] != b or page_indices.shape[1] == 0:
+        raise ValueError(f"page_indices must have shape (B, max_pages) = ({b}, >= 1), got {page_indices.shape}")
+    return query, key_pages, value_pages, lengths, page_indices.astype(jnp.int32)
+
+
+def gather_pages(pages: jax.Array, page_indices: jax.Array) -> jax.Array:
+    """[P, page_size, K, H] pages -> [B, max_pages * page_size, K, H], each sequence's pages in
+    order. Indices outside [0, P) are clamped into it (they read a page of the pool, never memory
+    outside it)."""
+    tokens = jnp.take(pages, page_indices, axis=0, mode="clip")  # [B, max_pages, page_size, K, H]
+    b, max_pages, page_size = tokens.shape[:3]
+    return tokens.reshape(b, max_pages * page_size, *pages.shape[2:])
+
+
+def paged_attention(query, key_pages, value_pages, lengths, page_indices, *, scale=None, is_causal=False,
+                    local_window_size=None, softcap=None, return_residual=False, implementation=None):  # fmt: skip
+    """Attention of each sequence's last `T` queries over its tokens in a paged KV cache.
+
+    Shape letters as in `jax_flash.attention`; P pages of `page_size` tokens in one pool.
+
+    Args:
+      query: `[B, T, N, H]`: query `i` of sequence `b` sits at position `lengths[b] - T + i`.
+      key_pages, value_pages: `[P, page_size, K, H]`, the pool shared by every sequence (write the
+        new tokens' keys and values into it first, e.g. `key_pages.at[page, slot].set(k_new)`).
+      lengths: int `[B]`: tokens in each sequence's cache, the new ones included; at most
+        `max_pages * page_size` (larger values are clipped to it).
+      page_indices: int `[B, max_pages]`: token `s` of sequence `b` is
+        `key_pages[page_indices[b, s // page_size], s % page_size]`. Entries past
+        `ceil(lengths[b] / page_size)` are ignored. Indices outside `[0, P)` are clamped into it:
+        such a page's tokens come from page 0 or `P - 1`, never from outside the pool.
+      scale, is_causal, local_window_size, softcap, return_residual, implementation: as in
+        `jax_flash.attention` (the causal diagonal puts the last query on the last token).
+
+    Returns:
+      `[B, T, N, H]`, and with `return_residual` the log-sum-exp `[B, T, N]` float32. A query with
+      no token to attend to (`lengths[b] <= T - 1 - i` under a causal mask) gives 0.
+    """
+    query, key_pages, value_pages, lengths, page_indices = _check_pages(
+        query, key_pages, value_pages, lengths, page_indices)  # fmt: skip
+    keys, values = gather_pages(key_pages, page_indices), gather_pages(value_pages, page_indices)
+    lengths = jnp.clip(lengths, 0, keys.shape[1])
+    return attention(query, keys, values, scale=scale, is_causal=is_causal, key_value_seq_lengths=lengths,
+                     local_window_size=local_window_size, softcap=softcap, return_residual=return_residual,
+                     implementation=implementation)  # fmt: skip
