@@ -110,7 +110,7 @@ def make_train_step(graphdef, optimizer, data: jax.Array, seq: int, batch: int):
 
 
 def train(cfg: Config, attention, steps: int, batch: int, log_every: int, quiet: bool = False):
-    """Returns (losses, seconds per step after the first (compiling) one)."""
+    """Returns (losses, seconds per step after the first (compiling) one, the trained parameters)."""
     graphdef, params = nnx.split(GPT(cfg, attention, nnx.Rngs(0)))
     optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 3e-3, 20, max(steps, 21)))
     opt_state = optimizer.init(params)
@@ -127,7 +127,7 @@ def train(cfg: Config, attention, steps: int, batch: int, log_every: int, quiet:
             print(f"step {i:5d}  loss {float(loss):.3f}", flush=True)
     jax.block_until_ready(losses[-1])
     per_step = (time.perf_counter() - start) / max(steps - 1, 1)
-    return [float(x) for x in losses], per_step
+    return [float(x) for x in losses], per_step, params
 
 
 def main(argv=None):
@@ -143,13 +143,13 @@ def main(argv=None):
                  heads=8 if on_gpu else 4, kv_heads=4 if on_gpu else 2, layers=4 if on_gpu else 2,
                  dtype=jnp.bfloat16 if on_gpu else jnp.float32)  # fmt: skip
     print(f"device: {jax.devices()[0].device_kind}; {cfg}")
-    losses, per_step = train(cfg, jax_flash.attention, args.steps, args.batch, log_every=50)
+    losses, per_step, _ = train(cfg, jax_flash.attention, args.steps, args.batch, log_every=50)
     tokens_per_s = args.batch * cfg.seq / per_step
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; {per_step * 1e3:.1f} ms/step, "
           f"{tokens_per_s:,.0f} tokens/s with jax_flash")
     if on_gpu and not args.no_compare:
         cudnn = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
-        _, cudnn_step = train(cfg, cudnn, min(args.steps, 50), args.batch, 50, quiet=True)
+        _, cudnn_step, _ = train(cfg, cudnn, min(args.steps, 50), args.batch, 50, quiet=True)
         print(f"jax.nn cuDNN attention: {cudnn_step * 1e3:.1f} ms/step; "
               f"step-time ratio jax_flash / cuDNN = {per_step / cudnn_step:.2f}")
     return losses

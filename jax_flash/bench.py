@@ -5,6 +5,7 @@ imports, FlashAttention-3's JAX binding, on the same inputs in one run.
                               [--json out.json]
     python -m jax_flash.bench --masks     (masks and softcap against causal, bench_masks.py)
     python -m jax_flash.bench --ring [--ring-seqlen L]   (ring attention on 2+ GPUs, bench_ring.py)
+    python -m jax_flash.bench --decode [--plot out.png]   (decode against a KV cache, bench_decode.py)
 
 The grid is the FlashAttention papers': 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / d), bf16. FLOPs: forward 4·b·h·s²·d, halved when causal; backward 2.5x the
@@ -292,6 +293,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     parser.add_argument("--masks", action="store_true", help="time masks and the soft cap against causal instead")
     parser.add_argument("--ring", action="store_true", help="time ring attention over every GPU instead")
+    parser.add_argument("--decode", action="store_true", help="time decode steps against a KV cache instead")
     parser.add_argument("--ring-seqlen", type=int, default=32768, help="tokens per device for --ring")
     args = parser.parse_args(argv)
     if args.ring:
@@ -301,6 +303,16 @@ def main(argv=None) -> list[dict]:
         print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}, jax {jax.__version__}, "
               f"{args.ring_seqlen} tokens per device, 16 heads, d = 128, bf16")
         print(bench_ring.table(rows))
+        return rows
+    if args.decode:
+        from jax_flash import bench_decode
+
+        rows = bench_decode.run()
+        print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {bench_decode.HEADS} / "
+              f"{bench_decode.KV_HEADS} heads, d = {bench_decode.HEAD_DIM}, cold L2, HBM fraction of 3.35 TB/s")
+        print(bench_decode.table(rows))
+        if args.plot:
+            bench_decode.plot(rows, args.plot)
         return rows
     if args.masks:
         from jax_flash import bench_masks

@@ -89,3 +89,16 @@ def test_gpu_loops_start_after_a_rest(monkeypatch):
     assert len(timed) == 2 * 2 * 2  # rounds x implementations x (forward, forward + backward)
     assert all(events[i - 1] == ("rest", bench.REST_SECONDS) for i in timed)
     assert sum(e[0] == "rest" for e in events) == len(timed)
+
+
+def test_decode_benchmark(tmp_path, capsys):
+    """On a CPU: the small grid, jax_flash and XLA, a time and a byte rate for every row, the
+    table and the plot."""
+    png = tmp_path / "decode.png"
+    rows = bench.main(["--decode", "--plot", str(png)])
+    assert {r["impl"] for r in rows} == {"jax_flash", "xla"}
+    assert all(r["seconds"] > 0 and r["bytes_per_second"] > 0 for r in rows)
+    assert {(r["batch"], r["cache"], r["queries"]) for r in rows} == {(1, 512, 1), (1, 512, 4), (4, 2048, 1),
+                                                                     (4, 2048, 4)}  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| 4 | 2048 | 4 |" in out and "xla / jax_flash" in out and png.stat().st_size > 10_000

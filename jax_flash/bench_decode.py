@@ -1,0 +1,164 @@
+"""Decode against a KV cache: `python -m jax_flash.bench --decode`.
+
+A generation step's attention: T = 1 or 4 new queries of each sequence (32 query heads over 8 kv
+heads, d = 128, bf16) against a cache of S tokens, for a grid of batch x cache length; jax_flash
+(`is_causal=True` with the cache length as `key_value_seq_lengths`), cuDNN and XLA through
+`jax.nn.dot_product_attention` (without a mask: one query sees every key; at T = 4 the causal
+corner is 6 logits of the cache's thousands, so the work is the same), on the same inputs in one
+run. On a CPU a small grid compares jax_flash with XLA.
+
+Decode is memory-bound: the figure is the K and V bytes read over the time, as a fraction of the
+H100's 3.35 TB/s. Two things would flatter it and are kept out:
+  - the L2 cache (50 MB on an H100), which holds a small cache between calls: each timed call reads
+    another copy of the cache, as many copies as make 200 MB;
+  - the host's dispatch of each call: the copies' calls run inside one jitted function, so that
+    one dispatch covers them all (its launch gaps on the GPU are counted).
+Each time is the median of interleaved rounds, as in the main benchmark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jax_flash
+
+HBM_BYTES_PER_SECOND = 3.35e12  # H100 SXM
+COLD_BYTES = 200 * 2**20  # copies of the cache read per timed call: 4x the H100's L2
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    batch: int
+    cache: int
+    queries: int
+
+    def kv_bytes(self, dtype) -> int:
+        return 2 * self.batch * self.cache * KV_HEADS * HEAD_DIM * jnp.dtype(dtype).itemsize
+
+
+def grid(on_gpu: bool) -> list[DecodeShape]:
+    sizes = ((1, 1024), (1, 8192), (8, 8192), (8, 32768), (64, 4096), (1, 131072)) if on_gpu else ((1, 512), (4, 2048))
+    return [DecodeShape(b, s, t) for b, s in sizes for t in (1, 4)]
+
+
+def implementations(on_gpu: bool) -> dict:
+    """name -> attention(q, k, v, lengths) for a decode step."""
+    impls = {"jax_flash": lambda q, k, v, lengths: jax_flash.attention(
+        q, k, v, is_causal=True, key_value_seq_lengths=lengths)}  # fmt: skip
+    if on_gpu:
+        impls["cudnn"] = lambda q, k, v, lengths: jax.nn.dot_product_attention(
+            q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")  # fmt: skip
+    impls["xla"] = lambda q, k, v, lengths: jax.nn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=lengths, implementation="xla")  # fmt: skip
+    return impls
+
+
+def _over_copies(attn):
+    """One jitted call running `attn` on each copy of the cache (its outputs summed, so that none
+    is left out): the per-copy time is the call's over the copies."""
+
+    def run(q, lengths, *caches):
+        copies = len(caches) // 2
+        total = jnp.zeros(q.shape, jnp.float32)
+        for k, v in zip(caches[:copies], caches[copies:]):
+            total = total + attn(q, k, v, lengths).astype(jnp.float32)
+        return total
+
+    return jax.jit(run)
+
+
+def _seconds(fn, args) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
+def measure(shape: DecodeShape, dtype, impls: dict, rounds: int = 6) -> dict[str, float | None]:
+    """name -> seconds per decode call (None where the implementation fails on this shape)."""
+    copies = max(1, min(64, -(-COLD_BYTES // shape.kv_bytes(dtype))))
+    keys = jax.random.split(jax.random.key(shape.batch * 31 + shape.cache + shape.queries), 2 * copies + 1)
+    kv_shape = (shape.batch, shape.cache, KV_HEADS, HEAD_DIM)
+    caches = [jax.random.normal(key, kv_shape, dtype) for key in keys[1:]]
+    q = jax.random.normal(keys[0], (shape.batch, shape.queries, HEADS, HEAD_DIM), dtype)
+    lengths = jnp.full((shape.batch,), shape.cache, jnp.int32)
+    args = (q, lengths, *caches)
+    runs = {}
+    for name, attn in impls.items():
+        try:
+            fn = _over_copies(attn)
+            jax.block_until_ready(fn(*args))  # compile and warm up
+            runs[name] = fn
+        except Exception:  # unsupported here: a gap in the table, not a crash
+            runs[name] = None
+    samples = {name: [] for name in impls}
+    for round_ in range(rounds):
+        for name in list(impls) if round_ % 2 == 0 else list(impls)[::-1]:
+            if runs[name] is not None:
+                samples[name].append(_seconds(runs[name], args) / copies)
+    return {name: statistics.median(s) if s else None for name, s in samples.items()}
+
+
+def run() -> list[dict]:
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    impls = implementations(on_gpu)
+    rows = []
+    for shape in grid(on_gpu):
+        times = measure(shape, dtype, impls)
+        for name, seconds in times.items():
+            rate = None if seconds is None else shape.kv_bytes(dtype) / seconds
+            rows.append({**dataclasses.asdict(shape), "impl": name, "seconds": seconds, "bytes_per_second": rate})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """One line per (batch, cache, T): microseconds per step and fraction of HBM peak for each
+    implementation, and jax_flash's speed over the reference (cuDNN on a GPU, XLA elsewhere)."""
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    base = "cudnn" if "cudnn" in impls else "xla"
+    by_shape = {}
+    for r in rows:
+        by_shape.setdefault((r["batch"], r["cache"], r["queries"]), {})[r["impl"]] = r
+    cells = " | ".join(f"{name} µs (HBM)" for name in impls)
+    lines = [f"| batch | cache | T | {cells} | {base} / jax_flash |", "|" + "---|" * (4 + len(impls))]
+    for (b, s, t), found in by_shape.items():
+        row = []
+        for name in impls:
+            r = found[name]
+            row.append("—" if r["seconds"] is None else
+                       f"{r['seconds'] * 1e6:.1f} ({r['bytes_per_second'] / HBM_BYTES_PER_SECOND:.0%})")
+        ours, ref = found["jax_flash"]["seconds"], found[base]["seconds"]
+        ratio = "—" if ours is None or ref is None else f"{ref / ours:.2f}"
+        lines.append(f"| {b} | {s} | {t} | {' | '.join(row)} | {ratio} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Fraction of HBM peak per (batch, cache, T), one bar per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    shapes = list(dict.fromkeys((r["batch"], r["cache"], r["queries"]) for r in rows))
+    fraction = {(r["batch"], r["cache"], r["queries"], r["impl"]): r["bytes_per_second"] for r in rows}
+    fig, ax = plt.subplots(figsize=(1.2 * len(shapes) + 2, 3.6))
+    width = 0.8 / len(impls)
+    for i, name in enumerate(impls):
+        values = [(fraction[(*s, name)] or 0) / HBM_BYTES_PER_SECOND for s in shapes]
+        ax.bar([x + i * width for x in range(len(shapes))], values, width, label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))])
+    ax.set_xticklabels([f"{b}x{s // 1024}k\nT={t}" for b, s, t in shapes], fontsize=8)
+    ax.set_ylabel("K, V bytes / time, fraction of 3.35 TB/s")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"decode, {jax.devices()[0].device_kind}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
