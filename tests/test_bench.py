@@ -4,32 +4,33 @@ import jax
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash import bench, bench_masks
+from jax_flash.bench import cli, timing
+from jax_flash.bench import masks as bench_masks
 
 
 def test_quick_benchmark_table_and_plot(tmp_path, capsys):
     png, js = tmp_path / "bench.png", tmp_path / "bench.json"
-    rows = bench.main(["--quick", "--plot", str(png), "--json", str(js)])
+    rows = cli.main(["--quick", "--plot", str(png), "--json", str(js)])
     out = capsys.readouterr().out
     assert {r["impl"] for r in rows} >= {"jax_flash", "xla"}
     assert all(r["tflops"] is not None and r["tflops"] > 0 for r in rows)
     assert "jax_flash / " in out and out.count("\n| ") >= 8  # header + 2 seqlens x 2 causal x 2 passes
     # Our ratio to the reference, per interleaved round: the table prints its median and range.
     ours = [r for r in rows if r["impl"] == "jax_flash"]
-    assert all(len(r["vs_xla_rounds"]) == bench.ROUNDS and min(r["vs_xla_rounds"]) > 0 for r in ours)
+    assert all(len(r["vs_xla_rounds"]) == timing.ROUNDS and min(r["vs_xla_rounds"]) > 0 for r in ours)
     first = ours[0]["vs_xla_rounds"]
     assert f"{min(first):.2f}–{max(first):.2f})" in out
     assert png.stat().st_size > 10_000 and js.stat().st_size > 100
 
 
 def test_masks_benchmark(capsys):
-    rows = bench.main(["--masks"])
+    rows = cli.main(["--masks"])
     assert [r["case"] for r in rows][0] == "causal" and len(rows) == len(bench_masks.cases(64, jnp.float32)) == 9
     assert {r["head_dim"] for r in rows} == {128}  # --head-dims picks others
     assert all(r["fwd"] > 0 and r["fwd_bwd"] > r["fwd"] for r in rows)
-    # Fractions of causal round by round (the cases interleaved, as bench.measure times them).
-    assert all(len(r["fwd_rounds"]) == len(r["fwd_bwd_rounds"]) == bench.ROUNDS for r in rows)
-    assert rows[0]["fwd_rounds"] == [1.0] * bench.ROUNDS and min(rows[1]["fwd_rounds"]) > 0
+    # Fractions of causal round by round (the cases interleaved, as timing.measure times them).
+    assert all(len(r["fwd_rounds"]) == len(r["fwd_bwd_rounds"]) == timing.ROUNDS for r in rows)
+    assert rows[0]["fwd_rounds"] == [1.0] * timing.ROUNDS and min(rows[1]["fwd_rounds"]) > 0
     out = capsys.readouterr().out
     assert "| 8 packed documents (causal) |" in out and "| softcap 30 (causal) |" in out and "| bias [1, 1, T, S] (causal) |" in out and "fwd / causal" in out
 
@@ -58,10 +59,10 @@ def test_masks_benchmark_peer_rows_are_fractions_of_the_peers_causal(monkeypatch
     monkeypatch.setattr(bench_masks, "peers", lambda on_gpu: {"stand-in": peer})
     rows = {r["case"]: r for r in bench_masks.run()}
     assert set(rows) == set(bench_masks.cases(64, jnp.float32)) | {f"stand-in: {c}" for c in bench_masks.PEER_CASES}
-    assert rows["stand-in: causal"]["fwd_rounds"] == [1.0] * bench.ROUNDS
-    assert rows["stand-in: causal"]["fwd_bwd_rounds"] == [1.0] * bench.ROUNDS
+    assert rows["stand-in: causal"]["fwd_rounds"] == [1.0] * timing.ROUNDS
+    assert rows["stand-in: causal"]["fwd_bwd_rounds"] == [1.0] * timing.ROUNDS
     window = rows["stand-in: window 512 (causal)"]
-    assert len(window["fwd_rounds"]) == bench.ROUNDS and min(window["fwd_rounds"]) > 0
+    assert len(window["fwd_rounds"]) == timing.ROUNDS and min(window["fwd_rounds"]) > 0
     assert "| stand-in: window 512 (causal) |" in bench_masks.table(list(rows.values()))
 
 
@@ -69,25 +70,25 @@ def test_gpu_loops_start_after_a_rest(monkeypatch):
     """On a GPU every timed loop starts after REST_SECONDS idle (the power cap made a loop's time
     depend on the loop before it); the untimed warm-up and calibration loops do not rest."""
     events = []
-    monkeypatch.setattr(bench.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(bench.time, "sleep", lambda s: events.append(("rest", s)))
-    real_loop = bench._loop_seconds
+    monkeypatch.setattr(timing.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(timing.time, "sleep", lambda s: events.append(("rest", s)))
+    real_loop = timing._loop_seconds
 
     def recorded_loop(fn, args, calls=10):
         events.append(("loop", calls))
         return real_loop(fn, args, calls)
 
-    monkeypatch.setattr(bench, "_loop_seconds", recorded_loop)
+    monkeypatch.setattr(timing, "_loop_seconds", recorded_loop)
 
     def attn(q, k, v, causal):
         return jax_flash.attention(q, k, v, is_causal=causal, implementation="xla")
 
-    shape = bench.Shape(head_dim=32, seqlen=64, causal=True, batch=1, heads=2)
-    samples = bench.measure({"a": attn, "b": attn}, shape, jnp.float32, rounds=2)
+    shape = timing.Shape(head_dim=32, seqlen=64, causal=True, batch=1, heads=2)
+    samples = timing.measure({"a": attn, "b": attn}, shape, jnp.float32, rounds=2)
     assert all(len(per_round) == 2 for per_round in samples.values())
     timed = [i for i, e in enumerate(events) if e[0] == "loop" and i > 0 and events[i - 1][0] == "rest"]
     assert len(timed) == 2 * 2 * 2  # rounds x implementations x (forward, forward + backward)
-    assert all(events[i - 1] == ("rest", bench.REST_SECONDS) for i in timed)
+    assert all(events[i - 1] == ("rest", timing.REST_SECONDS) for i in timed)
     assert sum(e[0] == "rest" for e in events) == len(timed)
 
 
@@ -95,7 +96,7 @@ def test_decode_benchmark(tmp_path, capsys):
     """On a CPU: the small grid, jax_flash and XLA, a time and a byte rate for every row, the
     table and the plot."""
     png = tmp_path / "decode.png"
-    rows = bench.main(["--decode", "--plot", str(png)])
+    rows = cli.main(["--decode", "--plot", str(png)])
     assert {r["impl"] for r in rows} == {"jax_flash", "xla"}
     assert all(r["seconds"] > 0 and r["bytes_per_second"] > 0 for r in rows)
     assert {(r["batch"], r["cache"], r["queries"]) for r in rows} == {(1, 512, 1), (1, 512, 4), (4, 2048, 1),

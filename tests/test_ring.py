@@ -142,7 +142,7 @@ def test_ring_hides_its_communication():
     takes at most 1.2x the time one GPU takes for the block pairs of one ring member (issue 7)."""
     if len(jax.devices("gpu")) < 2:
         pytest.skip("a ring needs 2 or more GPUs")
-    from jax_flash import bench_ring
+    from jax_flash.bench import ring as bench_ring
 
     rows = bench_ring.run(32768)
     for row in rows:

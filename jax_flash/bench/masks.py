@@ -13,7 +13,7 @@ On a GPU the peers that take a window (cuDNN through `jax.nn.dot_product_attenti
 imports, FlashAttention-3's JAX binding) run the causal and window cases too, each as a fraction
 of its own causal time: what the same window costs where it is not our kernels.
 
-The cases are timed as the main benchmark times implementations (bench.measure): every case
+The cases are timed as the main benchmark times implementations (timing.measure): every case
 once a round, the order reversed every other round, and a fraction is the median of the rounds'
 fractions. Timed one case after the other, causal (first) ran on a cool GPU at its highest clocks
 and every later case on a warm one, which overstated the fractions by up to 15%.
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash.bench import Shape, measure, peers
+from jax_flash.bench.timing import Shape, measure, peers
 
 
 def cases(seqlen: int, dtype) -> dict[str, dict]:
@@ -84,7 +84,7 @@ def run(head_dim: int = 128) -> list[dict]:
     for name in attns:
         base = causal_of[name]
         if None in fwd[name] + fwd_bwd[name] + fwd[base] + fwd_bwd[base]:
-            continue  # failed on these inputs (bench.measure): a gap, as in the main table
+            continue  # failed on these inputs (timing.measure): a gap, as in the main table
         rows.append({"case": name, "seqlen": seqlen, "head_dim": head_dim,
                      "fwd": statistics.median(fwd[name]), "fwd_bwd": statistics.median(fwd_bwd[name]),
                      "fwd_rounds": [a / b for a, b in zip(fwd[name], fwd[base])],

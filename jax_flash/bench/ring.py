@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flash
 from jax_flash._partition import shard_map
-from jax_flash.bench import fwd_and_fwd_bwd_seconds
+from jax_flash.bench.timing import fwd_and_fwd_bwd_seconds
 
 
 def run(per_device: int = 32768, heads: int = 16, head_dim: int = 128) -> list[dict]:

@@ -1,0 +1,56 @@
+"""`python -m jax_flash.bench`: the command line over the benchmark's tables (training.py, masks.py,
+ring.py, decode.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+
+from jax_flash.bench import decode, masks, ring, training
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="python -m jax_flash.bench", description=training.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a short grid")
+    parser.add_argument("--head-dims", type=int, nargs="+", help="head dims to run (GPU grid)")
+    parser.add_argument("--seqlens", type=int, nargs="+", help="sequence lengths to run")
+    parser.add_argument("--plot", metavar="PNG", help="write TFLOP/s vs seqlen per implementation")
+    parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
+    parser.add_argument("--masks", action="store_true", help="time masks and the soft cap against causal instead")
+    parser.add_argument("--ring", action="store_true", help="time ring attention over every GPU instead")
+    parser.add_argument("--decode", action="store_true", help="time decode steps against a KV cache instead")
+    parser.add_argument("--ring-seqlen", type=int, default=32768, help="tokens per device for --ring")
+    args = parser.parse_args(argv)
+    if args.ring:
+        rows = ring.run(args.ring_seqlen)
+        print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+              f"{args.ring_seqlen} tokens per device, 16 heads, d = 128, bf16")
+        print(ring.table(rows))
+        return rows
+    if args.decode:
+        rows = decode.run()
+        print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {decode.HEADS} / "
+              f"{decode.KV_HEADS} heads, d = {decode.HEAD_DIM}, cold L2, HBM fraction of 3.35 TB/s")
+        print(decode.table(rows))
+        if args.plot:
+            decode.plot(rows, args.plot)
+        return rows
+    if args.masks:
+        rows = []
+        for head_dim in args.head_dims or (128,):
+            these = masks.run(head_dim)
+            print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, d = {head_dim}")
+            print(masks.table(these))
+            rows += these
+        return rows
+    rows = training.run(args)
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, TFLOP/s")
+    print(training.table(rows))
+    if args.plot:
+        training.plot(rows, args.plot)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
