@@ -29,6 +29,13 @@ def extension():
 
 
 @functools.cache
+def device_capability() -> tuple[int, int]:
+    """(major, minor) compute capability of the default GPU, e.g. (9, 0) for an H100."""
+    major, minor = str(jax.devices()[0].compute_capability).split(".")
+    return int(major), int(minor)
+
+
+@functools.cache
 def cuda_device_available() -> bool:
     try:
         return any(d.platform == "gpu" for d in jax.devices()) and jax.default_backend() == "gpu"

@@ -22,6 +22,10 @@ FWD_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 BWD_HEAD_DIMS = (32, 64, 96, 128, 256)  # 192 runs the 256 kernels, zero-padded
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16)
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+# The default build's machine code (CMakeLists.txt: sm_80 and sm_90a, no PTX) runs on these major
+# compute capabilities only: Turing (7.x) lacks the instructions, Blackwell (10.x, 12.x) could only
+# JIT PTX, which is not shipped yet.
+KERNEL_CAPABILITY_MAJORS = (8, 9)
 
 
 def grid_fits(batch_heads: int) -> bool:
@@ -45,6 +49,10 @@ def unsupported_reason(call: Call) -> str | None:
         return "jax_flash was installed without its CUDA extension (no nvcc at build time)"
     if not _ffi.cuda_device_available():
         return "the default JAX backend is not a CUDA GPU"
+    major, minor = _ffi.device_capability()
+    if major not in KERNEL_CAPABILITY_MAJORS:
+        return (f"the kernels are built for compute capability 8.x and 9.0 (Ampere, Ada, Hopper); this GPU is "
+                f"{major}.{minor}")
     if call.query.dtype not in KERNEL_DTYPES:
         return f"the kernels take float16 or bfloat16, got {call.query.dtype}"
     if kernel_head_dim(call.query.shape[-1]) is None:

@@ -49,5 +49,6 @@ def install(monkeypatch):
     """Make `implementation="cuda"` run on CPU through `call_kernel`."""
     monkeypatch.setattr(_ffi, "extension", lambda: object())
     monkeypatch.setattr(_ffi, "cuda_device_available", lambda: True)
+    monkeypatch.setattr(_ffi, "device_capability", lambda: (9, 0))
     monkeypatch.setattr(_ffi, "register_targets", lambda: ())
     monkeypatch.setattr(_ffi, "call_kernel", call_kernel)

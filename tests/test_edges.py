@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import cuda_impl
+from jax_flash import _ffi, cuda_impl
 from jax_flash._validation import validate
 from tests import fake_kernels, reference
 from tests.cases import qkv, rng_for
@@ -145,6 +145,20 @@ def test_a_batch_times_heads_the_grid_cannot_split_is_refused_by_name(monkeypatc
 def test_the_grid_split_rule(batch_heads, fits):
     """y x z, each at most 65,535, and the product within the kernels' 32-bit index."""
     assert cuda_impl.grid_fits(batch_heads) is fits
+
+
+@pytest.mark.parametrize("capability,runs", [((7, 5), False), ((8, 0), True), ((8, 6), True), ((8, 9), True),
+                                             ((9, 0), True), ((10, 0), False), ((12, 0), False)])  # fmt: skip
+def test_the_kernels_run_only_where_they_have_machine_code(monkeypatch, capability, runs):
+    """Auto mode takes the kernels on Ampere, Ada and Hopper; on Turing and Blackwell (no code for
+    them in the default build) it takes the xla path, and `implementation="cuda"` says why."""
+    fake_kernels.install(monkeypatch)
+    monkeypatch.setattr(_ffi, "device_capability", lambda: capability)
+    q = k = _shape_only((2, 64, 4, 64))
+    assert jax_flash.chosen_implementation(q, k, k) == ("cuda" if runs else "xla-dense")
+    if not runs:
+        with pytest.raises(ValueError, match=f"compute capability 8.x and 9.0 .* this GPU is {capability[0]}"):
+            jax_flash.chosen_implementation(q, k, k, implementation="cuda")
 
 
 def _unsupported_reason(q, k):
