@@ -30,8 +30,12 @@ def extension():
 
 @functools.cache
 def device_capability() -> tuple[int, int]:
-    """(major, minor) compute capability of the default GPU, e.g. (9, 0) for an H100."""
-    major, minor = str(jax.devices()[0].compute_capability).split(".")
+    """(major, minor) compute capability of the default GPU, e.g. (9, 0) for an H100; (0, 0) where
+    the device reports none (not a CUDA GPU)."""
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    if capability is None:
+        return 0, 0
+    major, minor = str(capability).split(".")[:2]
     return int(major), int(minor)
 
 
