@@ -3,9 +3,9 @@
 Where the scores fit, forming them whole is what XLA does fastest (one product, one softmax, one
 product, and JAX's own gradient), as `jax.nn.dot_product_attention(implementation="xla")` does;
 the blockwise loops of xla_impl.py only pay where memory would not allow that. The semantics are
-the blockwise path's, from the same pieces (xla_impl's `_logits` with one block spanning the
-whole sequence): masks, segments, soft cap, bias, the bottom-right diagonal, empty rows 0 with
-log-sum-exp -inf and zero gradients.
+the blockwise path's (lengths and segments through xla_impl's `band_visible` with one block
+spanning the whole sequence): masks, segments, soft cap, bias, the bottom-right diagonal, empty
+rows 0 with log-sum-exp -inf and zero gradients.
 
 The budget counts one float32 [B, N, T, S] score matrix (JAX's gradient keeps about three such
 arrays alive): 1/16 of the device's memory on a GPU (about 3.7 GB on an H100, whose JAX client
