@@ -61,6 +61,16 @@ def fold_into_batch(fn: Callable, broadcast=(), summed=None) -> Callable:
     return wrapped
 
 
+def _queries_into_heads(fn: Callable, axis_size: int, q, *rest):
+    """fn's (out, lse) for q [V, B, T, N, H] run as [B, T, N * V, H]: head n * V + v, in kv head
+    n // group, so that the rest (keys, values, masks) is not copied V times."""
+    size, b, t, n, h = q.shape
+    out, lse = fn(jnp.moveaxis(q, 0, 3).reshape(b, t, n * size, h), *rest)
+    out = jnp.moveaxis(out.reshape(b, t, n, size, -1), 3, 0)
+    lse = jnp.moveaxis(lse.reshape(b, n, size, t), 2, 0)
+    return (out, lse), (True, True)
+
+
 def fold_queries_into_heads(forward: Callable, broadcast=()) -> Callable:
     """forward(q, k, v, *masks) -> (out [B, T, N, H], lse [B, N, T]), batched as one call. With
     only q mapped and no `broadcast` operand (bias, mask) given, q [V, B, T, N, H] runs as
@@ -72,10 +82,35 @@ def fold_queries_into_heads(forward: Callable, broadcast=()) -> Callable:
         args = (q, k, v) + masks
         if not in_batched[0] or any(in_batched[1:]) or any(args[i].size for i in broadcast):
             return _call_folded(wrapped, axis_size, in_batched, args, broadcast)
-        size, b, t, n, h = q.shape
-        out, lse = wrapped(jnp.moveaxis(q, 0, 3).reshape(b, t, n * size, h), k, v, *masks)
-        out = jnp.moveaxis(out.reshape(b, t, n, size, -1), 3, 0)
-        lse = jnp.moveaxis(lse.reshape(b, n, size, t), 2, 0)
-        return (out, lse), (True, True)
+        return _queries_into_heads(wrapped, axis_size, q, k, v, *masks)
+
+    return wrapped
+
+
+def fold_decode(decode: Callable, paged: bool) -> Callable:
+    """decode(q, k, v, seqlens, page_table) -> (out, lse), batched as one call. A dense cache folds
+    as `fold_queries_into_heads`. A pool of pages [P, page_size, K, H] belongs to no batch row:
+    mapped, [V, P, ...] becomes [V * P, ...], and each element's page indices (clamped into its own
+    pool first, as unbatched) move to its pages."""
+    if not paged:
+        return fold_queries_into_heads(decode)
+    wrapped = custom_vmap(decode)
+
+    @wrapped.def_vmap
+    def rule(axis_size, in_batched, q, k, v, seqlens, page_table):
+        q_only, pool_mapped = not any(in_batched[1:]), in_batched[1] or in_batched[2]
+        if in_batched[0] and q_only:
+            return _queries_into_heads(wrapped, axis_size, q, k, v, seqlens, page_table)
+        if pool_mapped:
+            k, v = (x if mapped else jnp.broadcast_to(x, (axis_size,) + x.shape) for x, mapped in zip((k, v), in_batched[1:3]))
+            pool = k.shape[1]
+            pages = page_table if in_batched[4] else jnp.broadcast_to(page_table, (axis_size,) + page_table.shape)
+            offsets = (jnp.arange(axis_size, dtype=pages.dtype) * pool)[:, None, None]
+            page_table = jnp.clip(pages, 0, pool - 1) + offsets
+            k, v = (x.reshape((axis_size * pool,) + x.shape[2:]) for x in (k, v))
+        folded = [_fold(x, mapped, axis_size) for x, mapped in ((q, in_batched[0]), (seqlens, in_batched[3]),
+                                                                  (page_table, in_batched[4] or pool_mapped))]
+        out, lse = wrapped(folded[0], k, v, folded[1], folded[2])
+        return (out.reshape((axis_size, -1) + out.shape[1:]), lse.reshape((axis_size, -1) + lse.shape[1:])), (True, True)
 
     return wrapped

@@ -168,6 +168,41 @@ def forward(config, q, k, v, masks: KernelMasks, bias, mask):
     return _partition.vary_like(folded(q, k, v, bias, mask, *masks), q, k, v)
 
 
+def decode(config, q, k, v, seqlens, page_table, splits_for):
+    """(out [B, T, N, H], lse [B, N, T] float32) from the split-KV decode kernels: k, v a dense
+    cache [B, S, K, H], or with a page table [B, max_pages] (else [B, 0]) a pool of pages
+    [P, page_size, K, H]; seqlens [B, 2] (or [B, 0]) as KernelMasks has them.
+    `splits_for(batch, queries, heads, kv_heads, seqlen_k)` gives the number of splits of each
+    (device's) call. Under vmap, one call (_batching.fold_decode)."""
+    register_targets()
+    attrs = _window_attrs(config)
+    paged = page_table.shape[1] > 0
+
+    def run(q, k, v, seqlens, page_table):
+        def kernel(q, k, v, seqlens, page_table):
+            b, t, n, h = q.shape
+            seqlen_k = k.shape[1] * page_table.shape[1] if paged else k.shape[1]
+            splits = splits_for(b, t, n, k.shape[2], seqlen_k)
+            scratch = (splits, b, t, n) if splits > 1 else (0,)
+            result_types = (
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+                jax.ShapeDtypeStruct(scratch + (h,) if splits > 1 else scratch, jnp.float32),  # each split's output
+                jax.ShapeDtypeStruct(scratch, jnp.float32),  # and log-sum-exp
+            )
+            out, lse, *_ = call_kernel("jax_flash_decode", result_types, (q, k, v, seqlens, page_table),
+                                       dict(attrs, splits=np.int32(splits)))  # fmt: skip
+            return out, lse
+
+        cache = "--k-" if paged else "b-k-"  # a pool of pages belongs to no batch row
+        layouts_in = ("b-n-", cache, cache, "b-", "b-")
+        run_split = _partition.over_batch_and_heads(kernel, layouts_in, ("b-n-", "bn-"), q.shape[2], k.shape[2])
+        return run_split(q, k, v, seqlens, page_table)
+
+    folded = _batching.fold_decode(run, paged)
+    return _partition.vary_like(folded(q, k, v, seqlens, page_table), q, k, v)
+
+
 def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, mask, want_dbias: bool):
     """(dq, dk, dv, dbias) from the backward kernels; lse and d_lse are [B, N, T] float32 (d_lse
     may be [B, N, 0]: zero, the lse unused); bias and mask as `forward` takes them. dbias (with

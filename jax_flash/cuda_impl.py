@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from jax_flash import _ffi
+from jax_flash import _decode, _ffi
 from jax_flash._masks import KernelMasks, kernel_masks
 from jax_flash._validation import AttentionConfig, Call
 
@@ -65,6 +65,33 @@ def unsupported_reason(call: Call) -> str | None:
             return (f"batch x heads ({b} x {heads} = {b * heads}) has no split into the CUDA grid's y x z "
                     f"of at most {MAX_GRID_YZ} each")
     return None
+
+
+def paged_reason(call: Call, page_size: int) -> str | None:
+    """Why the decode kernels cannot read a paged cache in place for `call` (the paged call with
+    its pages gathered, as shapes), or None when they can."""
+    reason = unsupported_reason(call)
+    if reason is not None:
+        return reason
+    b, t, n, h = call.query.shape
+    if not _decode.takes(b, t, n, call.key.shape[2], masks_beyond_lengths=False):
+        return f"the decode kernels take at most {_decode.MAX_QUERIES} queries (and grids within CUDA's limits)"
+    if page_size % _decode.BLOCK_KEYS:
+        return f"the decode kernels read pages of a multiple of {_decode.BLOCK_KEYS} tokens, got {page_size}"
+    if h not in FWD_HEAD_DIMS:
+        return f"the decode kernels read head dims {FWD_HEAD_DIMS} in place (others would copy the pool)"
+    return None
+
+
+def paged_attention(config: AttentionConfig, query, key_pages, value_pages, lengths, page_indices):
+    """(output [B, T, N, H], lse [B, T, N]) from the decode kernels reading the pages in place,
+    for a call that `paged_reason` accepts. Forward only."""
+    b, t = query.shape[:2]
+    seqlen_k = key_pages.shape[1] * page_indices.shape[1]
+    seqlens = jnp.stack([jnp.full((b,), t, jnp.int32), jnp.clip(lengths, 0, seqlen_k).astype(jnp.int32)], -1)
+    splits_for = functools.partial(_decode.splits, head_dim=query.shape[-1])
+    out, lse = _ffi.decode(config, query, key_pages, value_pages, seqlens, page_indices, splits_for)
+    return out, lse.transpose(0, 2, 1)
 
 
 def _pad_head_dim(x, size: int):
@@ -132,8 +159,15 @@ def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, 
 
 
 def _forward(config: AttentionConfig, q, k, v, bias, mask, masks):
-    """(out, lse [B, N, T], the kernels' mask operands)."""
+    """(out, lse [B, N, T], the kernels' mask operands), from the decode kernels where they take
+    the call (_decode.py), else the forward kernels."""
     kernel = _kernel_masks(q, k, *masks)
+    b, t, n, h = q.shape
+    beyond_lengths = bias.size > 0 or mask.size > 0 or kernel.q_segments.size > 0
+    if _decode.takes(b, t, n, k.shape[2], masks_beyond_lengths=beyond_lengths):
+        no_pages = jnp.zeros((b, 0), jnp.int32)
+        splits_for = functools.partial(_decode.splits, head_dim=h)
+        return *_ffi.decode(config, q, k, v, kernel.seqlens, no_pages, splits_for), kernel
     return *_ffi.forward(config, q, k, v, kernel, bias, mask), kernel
 
 

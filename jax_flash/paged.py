@@ -1,10 +1,11 @@
 """`jax_flash.paged_attention`: attention of each sequence's last queries over a paged KV cache.
 
 The cache is one pool of pages shared by every sequence (`[P, page_size, K, H]`); a sequence's
-tokens are the pages its row of `page_indices` names, in order. Today every implementation
-gathers each sequence's pages into a dense `[B, S, K, H]` cache and runs `jax_flash.attention`
-on it with the sequence lengths (the CUDA kernels where they take the call, the xla path
-elsewhere); kernels that read the pages in place are the decode issue's next step.
+tokens are the pages its row of `page_indices` names, in order. On a GPU the decode kernels read
+the pages in place (up to 16 queries, pages of a multiple of 16 tokens); every other call gathers
+each sequence's pages into a dense `[B, S, K, H]` cache and runs `jax_flash.attention` on it with
+the sequence lengths (the CUDA kernels where they take the call, e.g. a chunked prefill; the xla
+path elsewhere).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_flash._validation import INPUT_DTYPES, _as_array, _check_lengths
+from jax_flash import cuda_impl
+from jax_flash._validation import INPUT_DTYPES, Call, _as_array, _check_lengths, validate
 from jax_flash.attention import attention
 
 
@@ -57,6 +59,22 @@ def gather_pages(pages: jax.Array, page_indices: jax.Array) -> jax.Array:
     return tokens.reshape(b, max_pages * page_size, *pages.shape[2:])
 
 
+def _gathered_call(query, key_pages, value_pages, lengths, page_indices, options: dict) -> Call:
+    """The validated call of `attention` on the gathered caches, traced for its shapes and settings
+    only (no gather runs)."""
+    calls = []
+
+    def trace(query, key_pages, value_pages, lengths, page_indices):
+        keys, values = gather_pages(key_pages, page_indices), gather_pages(value_pages, page_indices)
+        calls.append(validate(query, keys, values, None, None, key_value_seq_lengths=lengths,
+                              query_seq_lengths=None, return_residual=False, q_segment_ids=None,
+                              kv_segment_ids=None, **options))  # fmt: skip
+        return query
+
+    jax.eval_shape(trace, query, key_pages, value_pages, lengths, page_indices)
+    return calls[0]
+
+
 def paged_attention(query, key_pages, value_pages, lengths, page_indices, *, scale=None, is_causal=False,
                     local_window_size=None, softcap=None, return_residual=False, implementation=None):  # fmt: skip
     """Attention of each sequence's last `T` queries over its tokens in a paged KV cache.
@@ -82,6 +100,12 @@ def paged_attention(query, key_pages, value_pages, lengths, page_indices, *, sca
     """
     query, key_pages, value_pages, lengths, page_indices = _check_pages(
         query, key_pages, value_pages, lengths, page_indices)  # fmt: skip
+    options = dict(scale=scale, is_causal=is_causal, local_window_size=local_window_size, softcap=softcap,
+                   implementation=implementation)  # fmt: skip
+    call = _gathered_call(query, key_pages, value_pages, lengths, page_indices, options)
+    if implementation != "xla" and cuda_impl.paged_reason(call, key_pages.shape[1]) is None:
+        out, lse = cuda_impl.paged_attention(call.config, query, key_pages, value_pages, lengths, page_indices)
+        return (out, lse) if return_residual else out
     keys, values = gather_pages(key_pages, page_indices), gather_pages(value_pages, page_indices)
     lengths = jnp.clip(lengths, 0, keys.shape[1])
     return attention(query, keys, values, scale=scale, is_causal=is_causal, key_value_seq_lengths=lengths,

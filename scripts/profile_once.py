@@ -1,5 +1,5 @@
-"""Runs jax_flash forward and backward once on one benchmark shape, for a profiler or
-compute-sanitizer to attach to:
+"""Runs jax_flash forward and backward once on one benchmark shape (or, with --decode, one decode
+step), for a profiler or compute-sanitizer to attach to:
 
     ncu --clock-control none -k regex:bwd_kernel python scripts/profile_once.py --head-dim 128 --seqlen 4096
 
@@ -27,9 +27,23 @@ parser.add_argument("--window", type=int, default=None, help="local window: this
 parser.add_argument("--bias", action="store_true",
                     help="a [1, N, T, S] bias, differentiated (the bias kernels); with --masks also a [B, 1, T, S] "
                     "boolean mask")
+parser.add_argument("--decode", type=int, nargs=2, metavar=("BATCH", "CACHE"), default=None,
+                    help="instead: one decode step, T = --queries queries of 32 heads over 8 kv heads against a "
+                    "cache of CACHE tokens (the decode kernels)")
+parser.add_argument("--queries", type=int, default=1)
 parser.add_argument("--peer", choices=["fa3_jax"], default=None,
                     help="run FlashAttention-3's JAX binding instead (plain causal or not), to profile the peer")
 args = parser.parse_args()
+
+if args.decode:
+    batch, cache = args.decode
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (batch, args.queries, 32, args.head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (batch, cache, 8, args.head_dim), jnp.bfloat16) for key in keys[1:])
+    step = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation="cuda",
+                                                       key_value_seq_lengths=jnp.full((batch,), cache)))
+    jax.block_until_ready(step(q, k, v))
+    raise SystemExit
 
 dims = (-(-args.tokens // args.seqlen), args.seqlen, 2048 // args.head_dim, args.head_dim)
 q, k, v, do = (jax.random.normal(key, dims, jnp.bfloat16) for key in jax.random.split(jax.random.key(0), 4))

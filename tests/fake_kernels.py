@@ -1,4 +1,4 @@
-"""A pure-JAX stand-in for the two custom calls, for the CPU tests of what surrounds them.
+"""A pure-JAX stand-in for the custom calls, for the CPU tests of what surrounds them.
 
 `call_kernel` has the signature of `jax_flash._ffi.call_kernel` and returns what the kernels
 return, computed by the xla path from the same operands and attributes. Put in its place (with
@@ -8,7 +8,7 @@ mask operands and the partitioning of the calls over sharded inputs.
 
 import jax.numpy as jnp
 
-from jax_flash import _ffi, xla_impl
+from jax_flash import _ffi, paged, xla_impl
 from jax_flash._validation import AttentionConfig, Call
 
 
@@ -36,6 +36,14 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
         q, k, v, seqlens, q_segments, kv_segments, _, _, bias, mask = operands
         out, lse = xla_impl.attention(_call(attrs, q, k, v, seqlens, q_segments, kv_segments, bias, mask))
         return out, lse.transpose(0, 2, 1), jnp.zeros(result_types[2].shape, result_types[2].dtype)
+    if target == "jax_flash_decode":
+        q, k, v, seqlens, page_table = operands
+        if page_table.shape[1]:  # a pool of pages: the sequences' caches gathered from it
+            k, v = paged.gather_pages(k, page_table), paged.gather_pages(v, page_table)
+        empty = jnp.zeros((q.shape[0], 0), jnp.int32)
+        out, lse = xla_impl.attention(_call(attrs, q, k, v, seqlens, empty, empty, empty, empty))
+        scratch = [jnp.zeros(r.shape, r.dtype) for r in result_types[2:]]
+        return out, lse.transpose(0, 2, 1), *scratch
     assert target == "jax_flash_bwd", target
     q, k, v, out, lse, d_out, d_lse, seqlens, q_segments, kv_segments, _, _, bias, mask = operands
     call = _call(attrs, q, k, v, seqlens, q_segments, kv_segments, bias, mask)

@@ -93,11 +93,11 @@ def test_gpu_loops_start_after_a_rest(monkeypatch):
 
 
 def test_decode_benchmark(tmp_path, capsys):
-    """On a CPU: the small grid, jax_flash and XLA, a time and a byte rate for every row, the
-    table and the plot."""
+    """On a CPU: the small grid, jax_flash (dense and paged) and XLA, a time and a byte rate for
+    every row, the table and the plot."""
     png = tmp_path / "decode.png"
     rows = cli.main(["--decode", "--plot", str(png)])
-    assert {r["impl"] for r in rows} == {"jax_flash", "xla"}
+    assert {r["impl"] for r in rows} == {"jax_flash", "paged 64", "paged 16", "xla"}
     assert all(r["seconds"] > 0 and r["bytes_per_second"] > 0 for r in rows)
     assert {(r["batch"], r["cache"], r["queries"]) for r in rows} == {(1, 512, 1), (1, 512, 4), (4, 2048, 1),
                                                                      (4, 2048, 4)}  # fmt: skip

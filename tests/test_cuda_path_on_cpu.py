@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
-from jax_flash import _ffi, dense_impl
+from jax_flash import _decode, _ffi, dense_impl
 from tests import fake_kernels, reference
 from tests.cases import CASES, qkv, rng_for
 
@@ -28,6 +28,9 @@ class _Calls(list):
 @pytest.fixture
 def kernel_calls(monkeypatch):
     fake_kernels.install(monkeypatch)
+    # Short query lengths here test the forward kernels' plumbing; the decode kernels' has its
+    # own tests (test_decode.py).
+    monkeypatch.setenv(_decode.DECODE_ENV, "0")
     # The stand-in computes with the blockwise xla path: "xla" here is that path too, so that the
     # two differ only in the plumbing (a bias constant along the keys has a zero gradient, which
     # the dense path computes as 1e-7 and the blockwise one as its rounding, 1e-2 of the rows').

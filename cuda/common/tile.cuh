@@ -42,6 +42,7 @@ struct ChunkWalk {
   static constexpr int kPanelBytes = Tile::kRows * kRowBytes;
   uint32_t addr[kRegs];
 
+  ChunkWalk() = default;
   __device__ __forceinline__ ChunkWalk(uint32_t tile, int row0, int chunk0) {
 #pragma unroll
     for (int j = 0; j < kRegs; ++j) addr[j] = tile + Tile::offset(row0, chunk0 + kStep * j);

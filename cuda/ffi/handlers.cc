@@ -26,8 +26,9 @@ std::string shape_string(ffi::AnyBuffer::Dimensions dims) {
 
 // Fills the shape fields of `p` from q [B, T, N, H] and k/v [B, S, K, H], checking what the
 // Python layer guarantees, so that a misuse of the raw target fails cleanly.
+// `key_batch`: the keys' first axis when it is not the batch (a paged pool), else -1.
 ffi::Error fill_shapes(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, DType* dtype,
-                       FwdParams* p) {
+                       FwdParams* p, int64_t key_batch = -1) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
     return ffi::Error::InvalidArgument("jax_flash: q, k, v must be rank 4 (BTNH), got " +
@@ -45,7 +46,7 @@ ffi::Error fill_shapes(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, DTy
   for (size_t i = 0; i < 4; ++i) {
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("jax_flash: k and v shapes differ");
   }
-  if (kd[0] != qd[0] || kd[3] != qd[3] || kd[2] == 0 || qd[2] % kd[2] != 0) {
+  if (kd[0] != (key_batch < 0 ? qd[0] : key_batch) || kd[3] != qd[3] || kd[2] == 0 || qd[2] % kd[2] != 0) {
     return ffi::Error::InvalidArgument("jax_flash: incompatible q " + shape_string(qd) +
                                        " and k " + shape_string(kd));
   }
@@ -73,24 +74,31 @@ ffi::Error fill_attributes(float scale, float softcap, int32_t window_left, int3
   return ffi::Error::Success();
 }
 
-// The optional masks (an empty buffer: none): seqlens [B, 2] int32; segment ids q [B, T] and
-// kv [B, S] int32 with their chunk summaries [B, ceil(T / 64), 4] and [B, ceil(S / 64), 4].
-ffi::Error fill_masks(ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> q_segments,
-                      ffi::Buffer<ffi::S32> kv_segments, ffi::Buffer<ffi::S32> q_chunks,
-                      ffi::Buffer<ffi::S32> kv_chunks, FwdParams* p) {
-  auto has_shape = [](ffi::Buffer<ffi::S32>& b, std::initializer_list<int64_t> shape) {
-    const auto d = b.dimensions();
-    if (d.size() != shape.size()) return false;
-    size_t i = 0;
-    for (int64_t n : shape) if (d[i++] != n) return false;
-    return true;
-  };
+bool has_shape(ffi::Buffer<ffi::S32>& b, std::initializer_list<int64_t> shape) {
+  const auto d = b.dimensions();
+  if (d.size() != shape.size()) return false;
+  size_t i = 0;
+  for (int64_t n : shape) if (d[i++] != n) return false;
+  return true;
+}
+
+// The optional sequence lengths (an empty buffer: none), seqlens [B, 2] int32.
+ffi::Error fill_seqlens(ffi::Buffer<ffi::S32> seqlens, FwdParams* p) {
   if (seqlens.element_count() > 0) {
     if (!has_shape(seqlens, {p->batch, 2})) {
       return ffi::Error::InvalidArgument("jax_flash: seqlens must be [B, 2], got " + shape_string(seqlens.dimensions()));
     }
     p->seqlens = seqlens.typed_data();
   }
+  return ffi::Error::Success();
+}
+
+// The optional masks (an empty buffer: none): seqlens as above; segment ids q [B, T] and
+// kv [B, S] int32 with their chunk summaries [B, ceil(T / 64), 6] and [B, ceil(S / 64), 6].
+ffi::Error fill_masks(ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> q_segments,
+                      ffi::Buffer<ffi::S32> kv_segments, ffi::Buffer<ffi::S32> q_chunks,
+                      ffi::Buffer<ffi::S32> kv_chunks, FwdParams* p) {
+  if (ffi::Error e = fill_seqlens(seqlens, p); e.failure()) return e;
   if (q_segments.element_count() > 0 || kv_segments.element_count() > 0) {
     const int64_t q_chunk_count = (p->seqlen_q + kMaskChunk - 1) / kMaskChunk;
     const int64_t kv_chunk_count = (p->seqlen_k + kMaskChunk - 1) / kMaskChunk;
@@ -267,6 +275,60 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   return launch_status(run_bwd(dtype, p, KernelFamily(kernels), stream), "backward");
 }
 
+
+// Decode: q [B, T, N, H] against a dense cache k, v [B, S, K, H] or, with a page table
+// [B, max_pages], a pool of pages [P, page_size, K, H]; the split scratch [splits, B, T, N, H] and
+// [splits, B, T, N] float32 (empty with one split).
+ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> page_table,
+                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                       ffi::Result<ffi::Buffer<ffi::F32>> o_partial, ffi::Result<ffi::Buffer<ffi::F32>> lse_partial,
+                       float scale, float softcap, int32_t window_left, int32_t window_right, int32_t splits) {
+  DecodeParams p{};
+  DType dtype;
+  const bool paged = page_table.element_count() > 0;
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = page_table.dimensions();
+  if (paged) {
+    // fill_shapes checks a dense cache; a pool's first two axes are pages and slots instead.
+    if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || td[0] != qd[0] || kd[0] == 0 ||
+        kd[1] % kDecodeBlockKeys != 0) {
+      return ffi::Error::InvalidArgument("jax_flash: paged decode takes q [B, T, N, H], pages [P, page_size (a multiple of " +
+                                         std::to_string(kDecodeBlockKeys) + "), K, H] and a page table [B, max_pages], got " +
+                                         shape_string(qd) + ", " + shape_string(kd) + ", " + shape_string(td));
+    }
+    if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p, /*key_batch=*/kd[0]); e.failure()) return e;
+    p.page_table = page_table.typed_data();
+    p.page_size = static_cast<int>(kd[1]);
+    p.max_pages = static_cast<int>(td[1]);
+    p.pool_pages = static_cast<int>(kd[0]);
+    p.seqlen_k = p.page_size * p.max_pages;
+  } else if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p); e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, &p); e.failure()) return e;
+  if (!fwd_supports_head_dim(p.head_dim)) {
+    return ffi::Error::InvalidArgument("jax_flash: no decode kernel for head dim " + std::to_string(p.head_dim));
+  }
+  if (ffi::Error e = fill_seqlens(seqlens, &p); e.failure()) return e;
+  p.o = o->untyped_data();
+  p.lse = lse->typed_data();
+  p.splits = splits;
+  const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads;
+  if (splits < 1 || splits > kMaxDecodeSplits) {
+    return ffi::Error::InvalidArgument("jax_flash: splits must be in [1, " + std::to_string(kMaxDecodeSplits) +
+                                       "], got " + std::to_string(splits));
+  }
+  if (splits > 1 && (int64_t(o_partial->element_count()) != splits * rows * p.head_dim ||
+                     int64_t(lse_partial->element_count()) != splits * rows)) {
+    return ffi::Error::InvalidArgument("jax_flash: the split scratch must be [splits, B, T, N, H] and [splits, B, T, N], got " +
+                                       shape_string(o_partial->dimensions()) + " and " +
+                                       shape_string(lse_partial->dimensions()));
+  }
+  p.o_partial = o_partial->typed_data();
+  p.lse_partial = lse_partial->typed_data();
+  return launch_status(run_decode(dtype, p, stream), "decode");
+}
+
 }  // namespace
 }  // namespace jax_flash
 
@@ -326,12 +388,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl,
                                   .Attr<int32_t>("deterministic"),  // 1: dQ parts added in a fixed order
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_decode_handler, jax_flash::decode_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k: cache [B, S, K, H] or pages [P, page_size, K, H]
+                                  .Arg<ffi::AnyBuffer>()  // v: as k
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seqlens [B, 2] or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page table [B, max_pages], or empty: dense
+                                  .Ret<ffi::AnyBuffer>()  // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse [B, N, T]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // split outputs [splits, B, T, N, H] or empty
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // split lse [splits, B, T, N] or empty
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")  // 0: none
+                                  .Attr<int32_t>("window_left")
+                                  .Attr<int32_t>("window_right")
+                                  .Attr<int32_t>("splits"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 namespace jax_flash {
 
 std::vector<FfiTarget> ffi_targets() {
   return {
       {"jax_flash_fwd", reinterpret_cast<void*>(jax_flash_fwd_handler)},
       {"jax_flash_bwd", reinterpret_cast<void*>(jax_flash_bwd_handler)},
+      {"jax_flash_decode", reinterpret_cast<void*>(jax_flash_decode_handler)},
   };
 }
 

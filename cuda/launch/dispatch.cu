@@ -101,6 +101,15 @@ cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream
   return by_variant(p, [&](auto v) { return bwd_for<T, decltype(v)::value>(p, family, stream); });
 }
 
+template <typename T>
+cudaError_t decode_for(const DecodeParams& p, cudaStream_t stream) {
+  return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
+    constexpr int kHeadDim = decltype(d)::value;
+    if (p.softcap > 0.f) return run_decode<T, kHeadDim, Variant::kSoftcap>(p, stream);
+    return run_decode<T, kHeadDim, Variant::kMasked>(p, stream);
+  });
+}
+
 }  // namespace
 
 cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, cudaStream_t stream) {
@@ -109,6 +118,10 @@ cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, cudaSt
 
 cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, cudaStream_t stream) {
   return dtype == DType::kFloat16 ? bwd_for<__half>(p, family, stream) : bwd_for<__nv_bfloat16>(p, family, stream);
+}
+
+cudaError_t run_decode(DType dtype, const DecodeParams& p, cudaStream_t stream) {
+  return dtype == DType::kFloat16 ? decode_for<__half>(p, stream) : decode_for<__nv_bfloat16>(p, stream);
 }
 
 }  // namespace jax_flash

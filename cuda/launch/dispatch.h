@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "common/params.h"
+#include "decode/params.h"
 
 namespace jax_flash {
 
@@ -27,6 +28,8 @@ enum class KernelFamily { kBest = 0, kSm80 = 80 };
 // The launch status. Callers check the head dim first (cudaErrorInvalidValue otherwise).
 cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, cudaStream_t stream);
 cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, cudaStream_t stream);
+// The split-KV decode kernels (mma.sync, every GPU from sm_80 on), at every forward head dim.
+cudaError_t run_decode(DType dtype, const DecodeParams& p, cudaStream_t stream);
 
 // Declarations of the instantiations in cuda/generated/ (one .cu each), a kernel variant
 // (params.h) each.
@@ -38,5 +41,7 @@ template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream);
+template <typename T, int kHeadDim, Variant kVariant>
+cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream);
 
 }  // namespace jax_flash

@@ -2,17 +2,19 @@
 
 A generation step's attention: T = 1 or 4 new queries of each sequence (32 query heads over 8 kv
 heads, d = 128, bf16) against a cache of S tokens, for a grid of batch x cache length; jax_flash
-(`is_causal=True` with the cache length as `key_value_seq_lengths`), cuDNN and XLA through
+(`is_causal=True` with the cache length as `key_value_seq_lengths`), `jax_flash.paged_attention`
+on the same bytes in shuffled pages of 64 and 16 tokens, cuDNN and XLA through
 `jax.nn.dot_product_attention` (without a mask: one query sees every key; at T = 4 the causal
 corner is 6 logits of the cache's thousands, so the work is the same), on the same inputs in one
 run. On a CPU a small grid compares jax_flash with XLA.
 
 Decode is memory-bound: the figure is the K and V bytes read over the time, as a fraction of the
-H100's 3.35 TB/s. Two things would flatter it and are kept out:
-  - the L2 cache (50 MB on an H100), which holds a small cache between calls: each timed call reads
-    another copy of the cache, as many copies as make 200 MB;
-  - the host's dispatch of each call: the copies' calls run inside one jitted function, so that
-    one dispatch covers them all (its launch gaps on the GPU are counted).
+H100's 3.35 TB/s. Two things would distort it and are kept out:
+  - the L2 cache (50 MB on an H100), which holds a small cache between calls: the calls cycle
+    through copies of the cache, as many as make 200 MB;
+  - the host's dispatch of each call: 32 or more calls (other queries, the copies) run inside one
+    jitted function, so that one dispatch covers them all (the launch gaps on the GPU between
+    kernels are counted, as a generation step has them).
 Each time is the median of interleaved rounds, as in the main benchmark.
 """
 
@@ -24,11 +26,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jax_flash
 
 HBM_BYTES_PER_SECOND = 3.35e12  # H100 SXM
 COLD_BYTES = 200 * 2**20  # copies of the cache read per timed call: 4x the H100's L2
+CALLS_PER_DISPATCH = 32  # calls per timed jitted call, each on other queries: the dispatch shrinks to 1/32
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
@@ -47,10 +51,25 @@ def grid(on_gpu: bool) -> list[DecodeShape]:
     return [DecodeShape(b, s, t) for b, s in sizes for t in (1, 4)]
 
 
+def _paged(page_size: int):
+    """jax_flash.paged_attention on the same bytes: the cache cut into pages of `page_size` tokens,
+    the page table a fixed shuffle of them (so that a sequence's pages lie anywhere in the pool)."""
+
+    def attend(q, k, v, lengths):
+        b, s = k.shape[:2]
+        pages = b * s // page_size
+        table = jnp.asarray(np.random.default_rng(0).permutation(pages).reshape(b, s // page_size), jnp.int32)
+        pool = lambda x: x.reshape(pages, page_size, *x.shape[2:])  # noqa: E731
+        return jax_flash.paged_attention(q, pool(k), pool(v), lengths, table, is_causal=True)
+
+    return attend
+
+
 def implementations(on_gpu: bool) -> dict:
     """name -> attention(q, k, v, lengths) for a decode step."""
     impls = {"jax_flash": lambda q, k, v, lengths: jax_flash.attention(
         q, k, v, is_causal=True, key_value_seq_lengths=lengths)}  # fmt: skip
+    impls["paged 64"], impls["paged 16"] = _paged(64), _paged(16)
     if on_gpu:
         impls["cudnn"] = lambda q, k, v, lengths: jax.nn.dot_product_attention(
             q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")  # fmt: skip
@@ -60,15 +79,13 @@ def implementations(on_gpu: bool) -> dict:
 
 
 def _over_copies(attn):
-    """One jitted call running `attn` on each copy of the cache (its outputs summed, so that none
-    is left out): the per-copy time is the call's over the copies."""
+    """One jitted call running `attn` once for each (query set, copy of the cache) pair: each call
+    reads its copy cold, and one dispatch covers them all. The outputs are returned as they are
+    (a sum would add a kernel a call). Each call's operands pass an optimization barrier, so that
+    XLA cannot merge the calls that share a copy into one pass over it."""
 
-    def run(q, lengths, *caches):
-        copies = len(caches) // 2
-        total = jnp.zeros(q.shape, jnp.float32)
-        for k, v in zip(caches[:copies], caches[copies:]):
-            total = total + attn(q, k, v, lengths).astype(jnp.float32)
-        return total
+    def run(lengths, queries, caches):
+        return [attn(*jax.lax.optimization_barrier((q, k, v)), lengths) for q in queries for k, v in caches]
 
     return jax.jit(run)
 
@@ -79,15 +96,20 @@ def _seconds(fn, args) -> float:
     return time.perf_counter() - start
 
 
-def measure(shape: DecodeShape, dtype, impls: dict, rounds: int = 6) -> dict[str, float | None]:
+def measure(shape: DecodeShape, dtype, impls: dict, rounds: int = 6, calls_per_dispatch: int = CALLS_PER_DISPATCH,
+            ) -> dict[str, float | None]:  # fmt: skip
     """name -> seconds per decode call (None where the implementation fails on this shape)."""
     copies = max(1, min(64, -(-COLD_BYTES // shape.kv_bytes(dtype))))
-    keys = jax.random.split(jax.random.key(shape.batch * 31 + shape.cache + shape.queries), 2 * copies + 1)
+    query_sets = -(-calls_per_dispatch // copies)
+    keys = jax.random.split(jax.random.key(shape.batch * 31 + shape.cache + shape.queries), 2 * copies + query_sets)
     kv_shape = (shape.batch, shape.cache, KV_HEADS, HEAD_DIM)
-    caches = [jax.random.normal(key, kv_shape, dtype) for key in keys[1:]]
-    q = jax.random.normal(keys[0], (shape.batch, shape.queries, HEADS, HEAD_DIM), dtype)
+    caches = [(jax.random.normal(keys[2 * i], kv_shape, dtype), jax.random.normal(keys[2 * i + 1], kv_shape, dtype))
+              for i in range(copies)]  # fmt: skip
+    q_shape = (shape.batch, shape.queries, HEADS, HEAD_DIM)
+    queries = [jax.random.normal(key, q_shape, dtype) for key in keys[2 * copies :]]
     lengths = jnp.full((shape.batch,), shape.cache, jnp.int32)
-    args = (q, lengths, *caches)
+    args = (lengths, queries, caches)
+    calls = len(queries) * copies
     runs = {}
     for name, attn in impls.items():
         try:
@@ -100,7 +122,7 @@ def measure(shape: DecodeShape, dtype, impls: dict, rounds: int = 6) -> dict[str
     for round_ in range(rounds):
         for name in list(impls) if round_ % 2 == 0 else list(impls)[::-1]:
             if runs[name] is not None:
-                samples[name].append(_seconds(runs[name], args) / copies)
+                samples[name].append(_seconds(runs[name], args) / calls)
     return {name: statistics.median(s) if s else None for name, s in samples.items()}
 
 
@@ -110,7 +132,7 @@ def run() -> list[dict]:
     impls = implementations(on_gpu)
     rows = []
     for shape in grid(on_gpu):
-        times = measure(shape, dtype, impls)
+        times = measure(shape, dtype, impls, calls_per_dispatch=CALLS_PER_DISPATCH if on_gpu else 1)
         for name, seconds in times.items():
             rate = None if seconds is None else shape.kv_bytes(dtype) / seconds
             rows.append({**dataclasses.asdict(shape), "impl": name, "seconds": seconds, "bytes_per_second": rate})

@@ -1,0 +1,30 @@
+// The parameters of a decode call: the forward's (params.h) plus the split-KV scratch and, for a
+// paged cache, the page table. The decode kernels read seqlens (always), the band and the soft
+// cap; never segment ids, a bias or a mask (the Python dispatch sends those calls elsewhere).
+#pragma once
+
+#include "common/params.h"
+
+namespace jax_flash {
+
+// Splits of one row tile's keys over CTAs, at most: the combine kernel keeps a weight per split.
+constexpr int kMaxDecodeSplits = 128;
+// Query rows of one decode CTA (one m16 tile): the (query, head of the group) pairs of a kv head.
+constexpr int kDecodeTileRows = 16;
+// Keys a warp reads per step; pages are whole multiples of it, so that no step spans two pages.
+constexpr int kDecodeBlockKeys = 16;
+
+struct DecodeParams : FwdParams {
+  // With splits > 1, each split's output (normalised over its keys) and log-sum-exp, float32:
+  // o_partial [splits, B, T, N, H], lse_partial [splits, B, T, N]; the combine kernel weighs them.
+  float* o_partial;
+  float* lse_partial;
+  int splits;
+  // A paged cache (nullptr: dense). k and v are then pools [pool_pages, page_size, K, H], and
+  // key s of batch row b is in page page_table[b * max_pages + s / page_size] (clamped into the
+  // pool) at slot s % page_size; seqlen_k is max_pages * page_size.
+  const int* page_table;
+  int page_size, max_pages, pool_pages;
+};
+
+}  // namespace jax_flash

@@ -1,0 +1,155 @@
+// Split-KV decode forward: one CTA per (split of the keys, m16 tile of packed query rows, kv head,
+// batch row). Each warp streams every kWarps-th block of the split through its own cp.async ring
+// (warp_ring.cuh), computes S = Q K^T and O += P V with mma.sync, and keeps an online softmax
+// (common/online_softmax.cuh); the warps merge at the end (tile_output.cuh), and with several
+// splits the combine kernel merges the splits. Work follows the lengths: a split covers a share
+// of the keys its rows can see, not of the cache buffer.
+#pragma once
+
+#include <cmath>
+
+#include "common/logits.cuh"
+#include "common/mask.cuh"
+#include "common/online_softmax.cuh"
+#include "common/ptx.cuh"
+#include "common/tile.cuh"
+#include "decode/config.cuh"
+#include "decode/kv_source.cuh"
+#include "decode/packed_rows.cuh"
+#include "decode/params.h"
+#include "decode/query_tile.cuh"
+#include "decode/tile_output.cuh"
+#include "decode/warp_ring.cuh"
+
+namespace jax_flash::decode {
+
+// Blocks of kDecodeBlockKeys keys [begin, end): split `split`'s share of the blocks over `keys`.
+struct BlockRange {
+  int begin, end;
+};
+__device__ __forceinline__ BlockRange split_blocks(Range keys, int split, int splits) {
+  if (keys.begin >= keys.end) return {0, 0};
+  const int first = keys.begin / kDecodeBlockKeys, last = (keys.end + kDecodeBlockKeys - 1) / kDecodeBlockKeys;
+  const int per_split = (last - first + splits - 1) / splits;
+  const int begin = min(last, first + split * per_split);
+  return {begin, min(last, begin + per_split)};
+}
+
+// kVariant: kMasked (lengths and the band) or kSoftcap (the same with the soft cap).
+template <typename Cfg, Variant kVariant>
+__global__ void __launch_bounds__(Cfg::kThreads) split_kernel(const DecodeParams p) {
+  using T = typename Cfg::T;
+  constexpr int kHeadDim = Cfg::kHeadDim, kWarps = Cfg::kWarps;
+  constexpr int kKSteps = kHeadDim / 16, kDTiles = kHeadDim / 8;
+  constexpr float kLog2e = 1.4426950408889634f;
+  extern __shared__ __align__(128) char smem[];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int batch = blockIdx.z;
+  const PackedRows rows = PackedRows::of_cta(p);
+  const Band band = Band::from<true>(p, batch);
+  const auto logits = Logits<cap_of(kVariant)>::from(p);
+  const Range keys = band.keys_of(rows.query(0), rows.query(rows.last_valid()));
+  const BlockRange blocks = split_blocks(keys, blockIdx.x, p.splits);
+  const KvSource<T> source = KvSource<T>::of(p, batch, rows.kv_head, kHeadDim);
+  const WarpRing<Cfg> ring = WarpRing<Cfg>::of_warp(ptx::smem_addr(smem), warp);
+
+  // This warp's steps: blocks begin + warp, begin + warp + kWarps, ...
+  const int steps = max(0, (blocks.end - blocks.begin - warp + kWarps - 1) / kWarps);
+  auto first_key = [&](int step) { return (blocks.begin + warp + step * kWarps) * kDecodeBlockKeys; };
+  auto load = [&](int step) {
+    const int key = first_key(step);
+    const int64_t offset = source.offset(key);
+    ring.load(step, source.k + offset, source.v + offset, source.row_stride, keys.end - key, lane);
+  };
+  // Q first (in shared memory, it joins step 0's commit group), then the ring's first stages.
+  QueryTile<Cfg> query;
+  query.load(p, rows, batch, ptx::smem_addr(smem) + Cfg::kSmemBytes - Cfg::kQBytes + warp * Cfg::QTile::kBytes, lane);
+#pragma unroll
+  for (int step = 0; step < Cfg::kStages - 1; ++step) {
+    if (step < steps) load(step);
+    ptx::cp_async_commit();
+  }
+
+  // The keys each of this thread's two rows sees, and those all the tile's rows see (a block
+  // inside them needs no mask).
+  Range seen[2];
+  int all_begin = 0, all_end = 1 << 30;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = lane / 4 + 8 * r;
+    seen[r] = rows.valid(row) ? band.keys_seen_by(rows.query(row)) : Range{0, 1 << 30};
+    all_begin = max(all_begin, seen[r].begin);
+    all_end = min(all_end, seen[r].end);
+  }
+#pragma unroll
+  for (int mask = 1; mask < 32; mask *= 2) {
+    all_begin = max(all_begin, __shfl_xor_sync(0xffffffff, all_begin, mask));
+    all_end = min(all_end, __shfl_xor_sync(0xffffffff, all_end, mask));
+  }
+
+  // Fragment offsets within a stage (tile.cuh), as in the sm80 forward: K as the B operand of
+  // Q K^T (keys lane % 8 and + 8 x chunk pairs), V transposed as the B operand of P V.
+  const ChunkWalk<typename Cfg::KvTile, kKSteps> b_k(0, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+  const ChunkWalk<typename Cfg::KvTile, kDTiles / 2> bt_v(0, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+  const float scale_log2 = logits.unit * kLog2e;
+  OnlineSoftmax softmax;
+  float acc_o[kDTiles][4];
+#pragma unroll
+  for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc_o[d][i] = 0.f;
+
+  for (int step = 0; step < steps; ++step) {
+    __syncwarp();  // every lane is done with the stage that this load refills
+    if (step + Cfg::kStages - 1 < steps) load(step + Cfg::kStages - 1);
+    ptx::cp_async_commit();
+    ring.wait();
+    const uint32_t k_stage = ring.k_stage(step), v_stage = ring.v_stage(step);
+
+    // S = Q K^T over the block's 16 keys: two n8 tiles.
+    float s[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4(b, k_stage + b_k(ks));
+      query.with_fragment(ks, [&](const uint32_t(&a)[4]) {
+        ptx::mma_16816<T>(s[0], a, b[0], b[1]);
+        ptx::mma_16816<T>(s[1], a, b[2], b[3]);
+      });
+    }
+    if (logits.capped()) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[n][i] = logits.value(s[n][i]);
+    }
+    const int key0 = first_key(step);
+    if (key0 < all_begin || key0 + kDecodeBlockKeys > all_end) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int key = key0 + n * 8 + (lane % 4) * 2 + c;
+            if (key < seen[r].begin || key >= seen[r].end) s[n][2 * r + c] = -INFINITY;
+          }
+    }
+    softmax.update(s, acc_o, scale_log2);
+
+    // O += P V: the two n8 tiles of P form the A fragment of one k16 step.
+    uint32_t a[4];
+    ptx::accumulators_to_a<T>(a, s[0], s[1]);
+#pragma unroll
+    for (int d = 0; d < kDTiles; d += 2) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4_trans(b, v_stage + bt_v(d / 2));
+      ptx::mma_16816<T>(acc_o[d], a, b[0], b[1]);
+      ptx::mma_16816<T>(acc_o[d + 1], a, b[2], b[3]);
+    }
+  }
+  ptx::cp_async_wait<0>();
+  merge_and_store<Cfg>(p, rows, batch, blockIdx.x, softmax, acc_o, logits.unit, smem);
+}
+
+}  // namespace jax_flash::decode

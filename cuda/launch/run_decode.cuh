@@ -1,0 +1,34 @@
+// Launcher of the decode kernels for one (element type, head dim, variant): the split kernel over
+// (splits, kv heads x row tiles, batch) and, with several splits, the combine kernel.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/grid.cuh"
+#include "decode/combine_kernel.cuh"
+#include "decode/config.cuh"
+#include "decode/params.h"
+#include "decode/split_kernel.cuh"
+#include "launch/allow_smem.h"
+
+namespace jax_flash {
+
+template <typename T, int kHeadDim, Variant kVariant>
+cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
+  using Cfg = decode::Config<T, kHeadDim>;
+  const int64_t rows = int64_t(p.seqlen_q) * (p.heads / p.kv_heads);
+  const int64_t tiles = int64_t(p.kv_heads) * ((rows + kDecodeTileRows - 1) / kDecodeTileRows);
+  if (tiles > kMaxGridYZ || p.batch > kMaxGridYZ || p.splits < 1 || p.splits > kMaxDecodeSplits) {
+    return cudaErrorInvalidConfiguration;  // cuda_impl.py's decode rule keeps calls inside these
+  }
+  auto kernel = decode::split_kernel<Cfg, kVariant>;
+  if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
+  kernel<<<dim3(p.splits, unsigned(tiles), p.batch), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || p.splits == 1) return e;
+  const int64_t out_rows = int64_t(p.batch) * p.seqlen_q * p.heads;
+  const int64_t ctas = (out_rows + decode::kCombineWarps - 1) / decode::kCombineWarps;
+  decode::combine_kernel<T, kHeadDim><<<unsigned(ctas), decode::kCombineWarps * 32, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_flash

@@ -1,0 +1,80 @@
+"""Which calls the split-KV decode kernels take (cuda/decode/), and into how many splits each
+call's keys are cut.
+
+A call with few queries (decode, speculative decoding) leaves most of a forward kernel's 128-row
+tiles empty and reads each kv head's cache once per query head. The decode kernels pack the
+queries x query heads of one kv head into 16-row tiles (one pass over its cache), and cut the keys
+into splits so that every SM streams: enough CTAs for the GPU even at batch 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import jax
+
+MAX_QUERIES = 16  # the decode kernels take calls of at most this many queries
+TILE_ROWS = 16  # kDecodeTileRows in cuda/decode/params.h
+BLOCK_KEYS = 16  # kDecodeBlockKeys
+MAX_SPLITS = 128  # kMaxDecodeSplits
+MAX_GRID_YZ = 65535
+# CTAs of the split rule's waves: one an SM. Two fit (96 KB of shared memory each), but on an H100
+# one CTA an SM already streams at 88% of HBM (1 x 128k: 181 us at 8 splits, 186 at 29), and each
+# split more costs the combine kernel a step (docs/PERF.md, decode D2).
+CTAS_PER_SM = 1
+# "0": never the decode kernels (the forward kernels take every call, to compare the two);
+# "1" or unset: wherever `takes` says.
+DECODE_ENV = "JAX_FLASH_DECODE"
+# A number: every decode call cuts its keys into that many splits (for tuning the rule below).
+SPLITS_ENV = "JAX_FLASH_DECODE_SPLITS"
+
+
+def enabled() -> bool:
+    value = os.environ.get(DECODE_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{DECODE_ENV} must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
+def row_tiles(queries: int, heads: int, kv_heads: int) -> int:
+    """16-row tiles of one kv head's packed rows (its queries x query heads)."""
+    return -(-queries * (heads // kv_heads) // TILE_ROWS)
+
+
+def takes(batch: int, queries: int, heads: int, kv_heads: int, *, masks_beyond_lengths: bool) -> bool:
+    """Whether the decode kernels run a forward call (already taken by the CUDA kernels) of these
+    shapes: at most MAX_QUERIES queries, no bias, boolean mask or segment ids
+    (`masks_beyond_lengths`), and a grid within CUDA's limits."""
+    if not enabled() or queries > MAX_QUERIES or masks_beyond_lengths:
+        return False
+    return batch <= MAX_GRID_YZ and kv_heads * row_tiles(queries, heads, kv_heads) <= MAX_GRID_YZ
+
+
+@functools.cache
+def sm_count() -> int:
+    """Streaming multiprocessors of the default GPU (132 on an H100 SXM)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def splits(batch: int, queries: int, heads: int, kv_heads: int, seqlen_k: int, head_dim: int) -> int:
+    """Splits of each row tile's keys: FlashAttention's wave-efficiency rule. With enough tiles to
+    fill the GPU, one; otherwise the fewest splits whose waves of CTAS_PER_SM CTAs an SM are at
+    least 85% as full as the best count's, each warp keeping at least one block of keys."""
+    forced = os.environ.get(SPLITS_ENV)
+    if forced:
+        return max(1, min(MAX_SPLITS, int(forced)))
+    tiles = batch * kv_heads * row_tiles(queries, heads, kv_heads)
+    slots = CTAS_PER_SM * sm_count()
+    if tiles >= 0.8 * slots:
+        return 1
+    warps = 4 if head_dim <= 128 else 2
+    most = max(1, min(MAX_SPLITS, -(-seqlen_k // BLOCK_KEYS) // warps))
+
+    def efficiency(n: int) -> float:
+        ctas = tiles * n
+        return ctas / (math.ceil(ctas / slots) * slots)
+
+    best = max(efficiency(n) for n in range(1, most + 1))
+    return next(n for n in range(1, most + 1) if efficiency(n) >= 0.85 * best)

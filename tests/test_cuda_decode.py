@@ -1,0 +1,125 @@
+"""The split-KV decode kernels (cuda/decode/) on a GPU, against the float64 reference: every head
+dim, 1-16 queries, GQA groups 1-16, lengths 0, 1 and not multiples of any block, windows, the
+soft cap, one and many splits, dense caches and pools of shuffled pages of each size. Outputs land
+on NaN-poisoned memory; each call runs twice and must give the same bits (a race would move)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import _decode
+from tests import reference
+from tests.cases import qkv, rng_for
+from tests.test_cuda import poison_free_memory
+from tests.test_paged import paged_problem
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-2  # bf16/fp16 relative error against float64
+
+
+def _decode_call(q, k, v, lengths, **kw):
+    """jax_flash.attention on a dense cache, jitted anew (the split count is read when traced);
+    checks that the decode kernels run it."""
+    fn = lambda q, k, v, lengths: jax_flash.attention(  # noqa: E731
+        q, k, v, key_value_seq_lengths=lengths, implementation="cuda", return_residual=True, **kw)
+    assert "jax_flash_decode" in jax.jit(fn).lower(q, k, v, lengths).as_text()
+    results = []
+    for _ in range(2):
+        poison_free_memory()
+        results.append(jax.jit(fn)(q, k, v, lengths))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    return results[0]
+
+
+def check(dtype, b, t, s, n, kv_heads, h, lengths, **kw):
+    rng = rng_for("cuda-decode", dtype, b, t, s, n, kv_heads, h, tuple(lengths), tuple(sorted(kw.items())))
+    q, k, v = qkv(rng, dtype, b, t, s, n, kv_heads, h)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    out, lse = _decode_call(q, k, v, lengths, **kw)
+    ref_out, ref_lse = reference.attention(q, k, v, key_value_seq_lengths=lengths, **kw)
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    assert reference.rel_error(out, ref_out) < TOL
+    finite = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)  # -inf exactly where empty
+    assert reference.rel_error(jnp.where(finite, lse, 0), jnp.where(finite, ref_lse, 0)) < 1e-4
+    return out, lse
+
+
+@pytest.mark.parametrize("h", [32, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_head_dims(dtype, h):
+    check(dtype, 3, 1, 777, 8, 2, h, [777, 300, 45], is_causal=True)
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 7, 16])
+@pytest.mark.parametrize("n,kv_heads", [(4, 4), (32, 8), (16, 1), (32, 2)])
+def test_queries_and_groups(t, n, kv_heads):
+    """Groups 1, 4, 16 (one 16-row tile at T = 1) and 16 x 16 = 256 packed rows (16 tiles)."""
+    check(jnp.bfloat16, 2, t, 530, n, kv_heads, 128, [530, 97], is_causal=True)
+
+
+@pytest.mark.parametrize("lengths", [[0, 1, 2, 17], [16, 15, 33, 1000]])
+def test_lengths_empty_single_and_ragged(lengths):
+    """Length 0: output 0 and lse -inf; with fewer keys than queries the first queries see nothing."""
+    out, lse = check(jnp.bfloat16, 4, 4, 1000, 8, 2, 64, lengths, is_causal=True)
+    if lengths[0] == 0:
+        assert not np.asarray(out[0], np.float32).any() and np.isneginf(np.asarray(lse[0])).all()
+
+
+@pytest.mark.parametrize("kw", [dict(local_window_size=(100, 0)), dict(local_window_size=(37, 3)),
+                                dict(softcap=8.0, is_causal=True), dict(is_causal=False),
+                                dict(softcap=5.0, local_window_size=(200, 0), scale=0.3)],
+                         ids=["window", "window-right", "softcap", "not-causal", "everything"])  # fmt: skip
+def test_windows_and_soft_cap(kw):
+    check(jnp.bfloat16, 2, 4, 1500, 16, 4, 128, [1500, 811], **kw)
+
+
+@pytest.mark.parametrize("splits", ["1", "3", "128"])
+def test_forced_split_counts(splits, monkeypatch):
+    """One split (no combine), a few, and the most (many of them empty)."""
+    monkeypatch.setenv(_decode.SPLITS_ENV, splits)
+    check(jnp.bfloat16, 2, 2, 2000, 16, 2, 128, [2000, 700], is_causal=True)
+
+
+def test_long_cache_at_batch_one():
+    """128k keys in 15 splits (the rule on an H100), four query heads to each kv head."""
+    check(jnp.bfloat16, 1, 1, 131072, 32, 8, 128, [131072], is_causal=True)
+
+
+def test_gradients_of_a_decode_call():
+    rng = rng_for("cuda-decode-grad")
+    q, k, v = qkv(rng, jnp.bfloat16, 2, 3, 400, 8, 2, 64)
+    lengths = jnp.asarray([400, 123], jnp.int32)
+    g = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+    def loss(attend, q, k, v):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * g)
+
+    ours = jax.jit(jax.grad(lambda *a: loss(lambda q, k, v: jax_flash.attention(
+        q, k, v, key_value_seq_lengths=lengths, is_causal=True), *a), argnums=(0, 1, 2)))(q, k, v)  # fmt: skip
+    ref = jax.grad(lambda *a: loss(lambda q, k, v: reference.attention(
+        q, k, v, key_value_seq_lengths=lengths, is_causal=True)[0], *a), argnums=(0, 1, 2))(q, k, v)  # fmt: skip
+    for g_ours, g_ref in zip(ours, ref):
+        assert reference.rel_error(g_ours, g_ref) < 2e-2
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("t", [1, 4])
+def test_paged_in_place(page_size, t):
+    """Shuffled pages of each size (with spare pages of noise in the pool), read in place."""
+    rng = rng_for("cuda-decode-paged", page_size, t)
+    lengths = [5 * page_size + 3, 1, page_size, 0]
+    q, kp, vp, lens, table, dense_k, dense_v = paged_problem(rng, 4, t, 16, 4, 128, page_size, 6, lengths)
+    fn = lambda *a: jax_flash.paged_attention(*a, is_causal=True, return_residual=True, implementation="cuda")  # noqa: E731
+    assert "jax_flash_decode" in jax.jit(fn).lower(q, kp, vp, lens, table).as_text()
+    poison_free_memory()
+    out, lse = jax.jit(fn)(q, kp, vp, lens, table)
+    ref_out, _ = reference.attention(q, dense_k, dense_v, key_value_seq_lengths=lens,
+                                     query_seq_lengths=jnp.full((4,), t), is_causal=True)  # fmt: skip
+    assert reference.rel_error(out, ref_out) < TOL
+    dense_out = jax_flash.attention(q, dense_k, dense_v, key_value_seq_lengths=lens, is_causal=True)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(dense_out, np.float32))
