@@ -88,7 +88,7 @@ def fold_queries_into_heads(forward: Callable, broadcast=()) -> Callable:
 
 
 def fold_decode(decode: Callable, paged: bool) -> Callable:
-    """decode(q, k, v, seqlens, page_table) -> (out, lse), batched as one call. A dense cache folds
+    """decode(q, k, v, kv_lengths, page_table) -> (out, lse), batched as one call. A dense cache folds
     as `fold_queries_into_heads`. A pool of pages [P, page_size, K, H] belongs to no batch row:
     mapped, [V, P, ...] becomes [V * P, ...], and each element's page indices (clamped into its own
     pool first, as unbatched) move to its pages."""
@@ -97,10 +97,10 @@ def fold_decode(decode: Callable, paged: bool) -> Callable:
     wrapped = custom_vmap(decode)
 
     @wrapped.def_vmap
-    def rule(axis_size, in_batched, q, k, v, seqlens, page_table):
+    def rule(axis_size, in_batched, q, k, v, kv_lengths, page_table):
         q_only, pool_mapped = not any(in_batched[1:]), in_batched[1] or in_batched[2]
         if in_batched[0] and q_only:
-            return _queries_into_heads(wrapped, axis_size, q, k, v, seqlens, page_table)
+            return _queries_into_heads(wrapped, axis_size, q, k, v, kv_lengths, page_table)
         if pool_mapped:
             k, v = (x if mapped else jnp.broadcast_to(x, (axis_size,) + x.shape) for x, mapped in zip((k, v), in_batched[1:3]))
             pool = k.shape[1]
@@ -108,7 +108,7 @@ def fold_decode(decode: Callable, paged: bool) -> Callable:
             offsets = (jnp.arange(axis_size, dtype=pages.dtype) * pool)[:, None, None]
             page_table = jnp.clip(pages, 0, pool - 1) + offsets
             k, v = (x.reshape((axis_size * pool,) + x.shape[2:]) for x in (k, v))
-        folded = [_fold(x, mapped, axis_size) for x, mapped in ((q, in_batched[0]), (seqlens, in_batched[3]),
+        folded = [_fold(x, mapped, axis_size) for x, mapped in ((q, in_batched[0]), (kv_lengths, in_batched[3]),
                                                                   (page_table, in_batched[4] or pool_mapped))]
         out, lse = wrapped(folded[0], k, v, folded[1], folded[2])
         return (out.reshape((axis_size, -1) + out.shape[1:]), lse.reshape((axis_size, -1) + lse.shape[1:])), (True, True)

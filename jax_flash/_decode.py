@@ -43,11 +43,11 @@ def row_tiles(queries: int, heads: int, kv_heads: int) -> int:
     return -(-queries * (heads // kv_heads) // TILE_ROWS)
 
 
-def takes(batch: int, queries: int, heads: int, kv_heads: int, *, masks_beyond_lengths: bool) -> bool:
+def takes(batch: int, queries: int, heads: int, kv_heads: int, *, masks_beyond_key_lengths: bool) -> bool:
     """Whether the decode kernels run a forward call (already taken by the CUDA kernels) of these
-    shapes: at most MAX_QUERIES queries, no bias, boolean mask or segment ids
-    (`masks_beyond_lengths`), and a grid within CUDA's limits."""
-    if not enabled() or queries > MAX_QUERIES or masks_beyond_lengths:
+    shapes: at most MAX_QUERIES queries, no query lengths, bias, boolean mask or segment ids
+    (`masks_beyond_key_lengths`), and a grid within CUDA's limits."""
+    if not enabled() or queries > MAX_QUERIES or masks_beyond_key_lengths:
         return False
     return batch <= MAX_GRID_YZ and kv_heads * row_tiles(queries, heads, kv_heads) <= MAX_GRID_YZ
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _batching, _partition
+from jax_flash import _batching, _decode, _partition
 from jax_flash._masks import KernelMasks
 
 
@@ -168,39 +168,41 @@ def forward(config, q, k, v, masks: KernelMasks, bias, mask):
     return _partition.vary_like(folded(q, k, v, bias, mask, *masks), q, k, v)
 
 
-def decode(config, q, k, v, seqlens, page_table, splits_for):
+def decode(config, q, k, v, kv_lengths, page_table, splits_for):
     """(out [B, T, N, H], lse [B, N, T] float32) from the split-KV decode kernels: k, v a dense
     cache [B, S, K, H], or with a page table [B, max_pages] (else [B, 0]) a pool of pages
-    [P, page_size, K, H]; seqlens [B, 2] (or [B, 0]) as KernelMasks has them.
+    [P, page_size, K, H]; kv_lengths int32 [B, 1] (clamped into [0, S] by the kernels) or [B, 0].
     `splits_for(batch, queries, heads, kv_heads, seqlen_k)` gives the number of splits of each
     (device's) call. Under vmap, one call (_batching.fold_decode)."""
     register_targets()
     attrs = _window_attrs(config)
     paged = page_table.shape[1] > 0
 
-    def run(q, k, v, seqlens, page_table):
-        def kernel(q, k, v, seqlens, page_table):
+    def run(q, k, v, kv_lengths, page_table):
+        def kernel(q, k, v, kv_lengths, page_table):
             b, t, n, h = q.shape
             seqlen_k = k.shape[1] * page_table.shape[1] if paged else k.shape[1]
             splits = splits_for(b, t, n, k.shape[2], seqlen_k)
             scratch = (splits, b, t, n) if splits > 1 else (0,)
+            tiles = k.shape[2] * _decode.row_tiles(t, n, k.shape[2])
             result_types = (
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((b, n, t), jnp.float32),
                 jax.ShapeDtypeStruct(scratch + (h,) if splits > 1 else scratch, jnp.float32),  # each split's output
                 jax.ShapeDtypeStruct(scratch, jnp.float32),  # and log-sum-exp
+                jax.ShapeDtypeStruct((b, tiles) if splits > 1 else (0,), jnp.int32),  # a ticket counter a row tile
             )
-            out, lse, *_ = call_kernel("jax_flash_decode", result_types, (q, k, v, seqlens, page_table),
+            out, lse, *_ = call_kernel("jax_flash_decode", result_types, (q, k, v, kv_lengths, page_table),
                                        dict(attrs, splits=np.int32(splits)))  # fmt: skip
             return out, lse
 
         cache = "--k-" if paged else "b-k-"  # a pool of pages belongs to no batch row
         layouts_in = ("b-n-", cache, cache, "b-", "b-")
         run_split = _partition.over_batch_and_heads(kernel, layouts_in, ("b-n-", "bn-"), q.shape[2], k.shape[2])
-        return run_split(q, k, v, seqlens, page_table)
+        return run_split(q, k, v, kv_lengths, page_table)
 
     folded = _batching.fold_decode(run, paged)
-    return _partition.vary_like(folded(q, k, v, seqlens, page_table), q, k, v)
+    return _partition.vary_like(folded(q, k, v, kv_lengths, page_table), q, k, v)
 
 
 def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, mask, want_dbias: bool):

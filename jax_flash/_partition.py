@@ -166,7 +166,7 @@ def _over_auto_axes(kernel: Callable, layouts_in, layouts_out, heads: int, kv_he
     return call
 
 
-def _explicit_sharding(x) -> NamedSharding | None:
+def explicit_sharding(x) -> NamedSharding | None:
     """The sharding in x's type when it is split over explicit mesh axes, else None."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
@@ -181,7 +181,7 @@ def zeros_like(x, dtype) -> jax.Array:
     mesh context, jax 0.12's `jnp.zeros_like` drops that split, and `dynamic_update_slice` then
     refuses to add a split update into the unsplit zeros."""
     zeros = jnp.zeros_like(x, dtype)
-    sharding = _explicit_sharding(x)
+    sharding = explicit_sharding(x)
     if sharding is not None and jax.typeof(zeros).sharding.spec != sharding.spec:
         zeros = jax.sharding.reshard(zeros, sharding)
     return zeros
@@ -220,7 +220,7 @@ def over_batch_and_heads(kernel: Callable, layouts_in: Sequence[str], layouts_ou
     over_auto = _over_auto_axes(kernel, layouts_in, layouts_out, heads, kv_heads)
 
     def call(*operands):
-        sharding = _explicit_sharding(operands[0])
+        sharding = explicit_sharding(operands[0])
         if sharding is None:
             return over_auto(*operands)
         return _over_explicit_axes(kernel, layouts_in, layouts_out, kv_heads, sharding, operands)

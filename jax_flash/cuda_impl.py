@@ -74,7 +74,7 @@ def paged_reason(call: Call, page_size: int) -> str | None:
     if reason is not None:
         return reason
     b, t, n, h = call.query.shape
-    if not _decode.takes(b, t, n, call.key.shape[2], masks_beyond_lengths=False):
+    if not _decode.takes(b, t, n, call.key.shape[2], masks_beyond_key_lengths=False):
         return f"the decode kernels take at most {_decode.MAX_QUERIES} queries (and grids within CUDA's limits)"
     if page_size % _decode.BLOCK_KEYS:
         return f"the decode kernels read pages of a multiple of {_decode.BLOCK_KEYS} tokens, got {page_size}"
@@ -86,11 +86,9 @@ def paged_reason(call: Call, page_size: int) -> str | None:
 def paged_attention(config: AttentionConfig, query, key_pages, value_pages, lengths, page_indices):
     """(output [B, T, N, H], lse [B, T, N]) from the decode kernels reading the pages in place,
     for a call that `paged_reason` accepts. Forward only."""
-    b, t = query.shape[:2]
-    seqlen_k = key_pages.shape[1] * page_indices.shape[1]
-    seqlens = jnp.stack([jnp.full((b,), t, jnp.int32), jnp.clip(lengths, 0, seqlen_k).astype(jnp.int32)], -1)
     splits_for = functools.partial(_decode.splits, head_dim=query.shape[-1])
-    out, lse = _ffi.decode(config, query, key_pages, value_pages, seqlens, page_indices, splits_for)
+    kv_lengths = lengths.astype(jnp.int32)[:, None]  # the kernels clamp them into the pages
+    out, lse = _ffi.decode(config, query, key_pages, value_pages, kv_lengths, page_indices, splits_for)
     return out, lse.transpose(0, 2, 1)
 
 
@@ -163,11 +161,13 @@ def _forward(config: AttentionConfig, q, k, v, bias, mask, masks):
     the call (_decode.py), else the forward kernels."""
     kernel = _kernel_masks(q, k, *masks)
     b, t, n, h = q.shape
-    beyond_lengths = bias.size > 0 or mask.size > 0 or kernel.q_segments.size > 0
-    if _decode.takes(b, t, n, k.shape[2], masks_beyond_lengths=beyond_lengths):
-        no_pages = jnp.zeros((b, 0), jnp.int32)
+    q_len, kv_len, q_seg, _ = masks
+    beyond_key_lengths = bias.size > 0 or mask.size > 0 or q_len is not None or q_seg is not None
+    if _decode.takes(b, t, n, k.shape[2], masks_beyond_key_lengths=beyond_key_lengths):
+        kv_lengths = jnp.zeros((b, 0), jnp.int32) if kv_len is None else kv_len.astype(jnp.int32)[:, None]
         splits_for = functools.partial(_decode.splits, head_dim=h)
-        return *_ffi.decode(config, q, k, v, kernel.seqlens, no_pages, splits_for), kernel
+        no_pages = jnp.zeros((b, 0), jnp.int32)
+        return *_ffi.decode(config, q, k, v, kv_lengths, no_pages, splits_for), kernel
     return *_ffi.forward(config, q, k, v, kernel, bias, mask), kernel
 
 

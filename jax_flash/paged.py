@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_flash import cuda_impl
+from jax_flash import _partition, cuda_impl
 from jax_flash._validation import INPUT_DTYPES, Call, _as_array, _check_lengths, validate
 from jax_flash.attention import attention
 
@@ -50,11 +50,28 @@ def _check_pages(query, key_pages, value_pages, lengths, page_indices):
     return query, key_pages, value_pages, lengths, page_indices.astype(jnp.int32)
 
 
+def _gathered_sharding(pages, page_indices):
+    """Over explicit mesh axes, the gathered tokens' sharding: the batch split as the page table's,
+    the kv heads as the pool's (JAX asks for it: a gather's result sharding is not inferred there).
+    None otherwise."""
+    pool, table = _partition.explicit_sharding(pages), _partition.explicit_sharding(page_indices)
+    if pool is None and table is None:
+        return None
+    mesh = (pool or table).mesh
+    batch = table.spec[0] if table is not None and len(table.spec) else None
+    kv_heads = pool.spec[2] if pool is not None and len(pool.spec) > 2 else None
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch, None, None, kv_heads, None))
+
+
 def gather_pages(pages: jax.Array, page_indices: jax.Array) -> jax.Array:
     """[P, page_size, K, H] pages -> [B, max_pages * page_size, K, H], each sequence's pages in
     order. Indices outside [0, P) are clamped into it (they read a page of the pool, never memory
     outside it)."""
-    tokens = jnp.take(pages, page_indices, axis=0, mode="clip")  # [B, max_pages, page_size, K, H]
+    sharding = _gathered_sharding(pages, page_indices)
+    if sharding is None:
+        tokens = jnp.take(pages, page_indices, axis=0, mode="clip")  # [B, max_pages, page_size, K, H]
+    else:
+        tokens = pages.at[page_indices].get(mode="clip", out_sharding=sharding)
     b, max_pages, page_size = tokens.shape[:3]
     return tokens.reshape(b, max_pages * page_size, *pages.shape[2:])
 

@@ -37,10 +37,14 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
         out, lse = xla_impl.attention(_call(attrs, q, k, v, seqlens, q_segments, kv_segments, bias, mask))
         return out, lse.transpose(0, 2, 1), jnp.zeros(result_types[2].shape, result_types[2].dtype)
     if target == "jax_flash_decode":
-        q, k, v, seqlens, page_table = operands
+        q, k, v, kv_lengths, page_table = operands
         if page_table.shape[1]:  # a pool of pages: the sequences' caches gathered from it
             k, v = paged.gather_pages(k, page_table), paged.gather_pages(v, page_table)
-        empty = jnp.zeros((q.shape[0], 0), jnp.int32)
+        b, t, s = q.shape[0], q.shape[1], k.shape[1]
+        empty = jnp.zeros((b, 0), jnp.int32)
+        seqlens = empty
+        if kv_lengths.shape[1]:  # clamped into the cache, as the kernels do
+            seqlens = jnp.stack([jnp.full((b,), t, jnp.int32), jnp.clip(kv_lengths[:, 0], 0, s)], -1)
         out, lse = xla_impl.attention(_call(attrs, q, k, v, seqlens, empty, empty, empty, empty))
         scratch = [jnp.zeros(r.shape, r.dtype) for r in result_types[2:]]
         return out, lse.transpose(0, 2, 1), *scratch

@@ -9,12 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_flash
 from jax_flash import _decode, _ffi
 from tests import fake_kernels, reference
 from tests.cases import qkv, rng_for
 from tests.test_paged import paged_problem
+from tests.test_sharding import _collectives, _mesh
 
 
 @pytest.fixture
@@ -57,15 +60,15 @@ def test_split_rule_forced_and_bounded(monkeypatch):
     (1, 32, 8, False, True),
     (16, 64, 1, False, True),    # 1024 packed rows of one kv head: 64 tiles
     (17, 8, 8, False, False),    # past MAX_QUERIES: the forward kernels
-    (1, 8, 8, True, False),      # a bias, mask or segment ids
+    (1, 8, 8, True, False),      # query lengths, a bias, mask or segment ids
 ])  # fmt: skip
 def test_which_calls_the_decode_kernels_take(t, n, kv_heads, masks, expected):
-    assert _decode.takes(2, t, n, kv_heads, masks_beyond_lengths=masks) == expected
+    assert _decode.takes(2, t, n, kv_heads, masks_beyond_key_lengths=masks) == expected
 
 
 def test_decode_can_be_turned_off(monkeypatch):
     monkeypatch.setenv(_decode.DECODE_ENV, "0")
-    assert not _decode.takes(2, 1, 8, 8, masks_beyond_lengths=False)
+    assert not _decode.takes(2, 1, 8, 8, masks_beyond_key_lengths=False)
     monkeypatch.setenv(_decode.DECODE_ENV, "yes")
     with pytest.raises(ValueError, match=_decode.DECODE_ENV):
         _decode.enabled()
@@ -85,7 +88,7 @@ def test_attention_takes_the_decode_target(targets, kw):
                                    return_residual=True, **kw)  # fmt: skip
     assert [c[0] for c in targets] == ["jax_flash_decode"]
     _, operand_shapes, result_shapes, attrs = targets[0]
-    assert operand_shapes == [q.shape, k.shape, v.shape, (3, 2), (3, 0)]
+    assert operand_shapes == [q.shape, k.shape, v.shape, (3, 1), (3, 0)]
     splits = int(attrs["splits"])
     assert result_shapes[2] == ((splits, 3, 2, 8, 64) if splits > 1 else (0,))
     ref_out, ref_lse = reference.attention(q, k, v, key_value_seq_lengths=lengths, **kw)
@@ -130,7 +133,7 @@ def test_paged_attention_reads_the_pool_in_place(targets):
     q, kp, vp, lens, table, dense_k, dense_v = paged_problem(rng, 3, 2, 8, 2, 64, 32, 4, [100, 1, 64])
     out = jax_flash.paged_attention(q, kp, vp, lens, table, is_causal=True, implementation="cuda")
     assert [c[0] for c in targets] == ["jax_flash_decode"]
-    assert targets[0][1] == [q.shape, kp.shape, vp.shape, (3, 2), table.shape]
+    assert targets[0][1] == [q.shape, kp.shape, vp.shape, (3, 1), table.shape]
     ref, _ = reference.attention(q, dense_k, dense_v, key_value_seq_lengths=lens, query_seq_lengths=jnp.full((3,), 2),
                                  is_causal=True)  # fmt: skip
     assert reference.rel_error(out, ref) < 1e-2
@@ -161,3 +164,29 @@ def test_vmap_over_pools(targets):
     for i in range(3):
         np.testing.assert_array_equal(np.asarray(out[i], np.float32),
                                       np.asarray(fn(q[i], kp[i], vp[i], lens[i], table[i]), np.float32))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_sharded_decode_calls_are_partitioned(targets, axis_type):
+    """A decode step on a cache split over batch and kv heads (2 x 4 host devices), dense and
+    paged (the pool split over kv heads, the page table over the batch): each device runs the
+    decode target on its own rows and heads, with no collective, and the values are those of the
+    unsharded call."""
+    mesh = _mesh(axis_type)
+    spec, by_batch = P("data", None, "model", None), P("data")
+    rng = rng_for("decode-sharded", str(axis_type))
+    q, kp, vp, lens, table, dense_k, dense_v = paged_problem(rng, 4, 2, 16, 4, 32, 16, 3, [40, 9, 33, 1])
+    dense = lambda q, k, v, lens: jax_flash.attention(  # noqa: E731
+        q, k, v, key_value_seq_lengths=lens, is_causal=True, implementation="cuda")
+    paged = lambda q, kp, vp, lens, table: jax_flash.paged_attention(  # noqa: E731
+        q, kp, vp, lens, table, is_causal=True, implementation="cuda")
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
+    pool_spec = P(None, None, "model", None)
+    for fn, args, specs in ((dense, (q, dense_k, dense_v, lens), (spec, spec, spec, by_batch)),
+                            (paged, (q, kp, vp, lens, table), (spec, pool_spec, pool_spec, by_batch, by_batch))):
+        placed = [put(x, s) for x, s in zip(args, specs)]
+        assert not _collectives(jax.jit(fn), *placed)
+        out = jax.jit(fn)(*placed)
+        assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), out.ndim)
+        assert reference.rel_error(out, jax.jit(fn)(*args)) < 1e-2  # the stand-in's blocks follow the shard shapes
+    assert {t[0] for t in targets} == {"jax_flash_decode"}

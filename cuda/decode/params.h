@@ -1,6 +1,7 @@
-// The parameters of a decode call: the forward's (params.h) plus the split-KV scratch and, for a
-// paged cache, the page table. The decode kernels read seqlens (always), the band and the soft
-// cap; never segment ids, a bias or a mask (the Python dispatch sends those calls elsewhere).
+// The parameters of a decode call: the forward's (params.h) plus the key lengths, the split-KV
+// scratch and, for a paged cache, the page table. The decode kernels read the band and the soft
+// cap; never query lengths, segment ids, a bias or a mask (the Python dispatch sends those calls
+// to the forward kernels).
 #pragma once
 
 #include "common/params.h"
@@ -15,10 +16,16 @@ constexpr int kDecodeTileRows = 16;
 constexpr int kDecodeBlockKeys = 16;
 
 struct DecodeParams : FwdParams {
+  // [B] keys of each batch row, clamped into [0, seqlen_k] (nullptr: seqlen_k). Read directly, so
+  // that a step passes its lengths as they are: no kernel builds FwdParams::seqlens for it.
+  const int* kv_lengths;
   // With splits > 1, each split's output (normalised over its keys) and log-sum-exp, float32:
-  // o_partial [splits, B, T, N, H], lse_partial [splits, B, T, N]; the combine kernel weighs them.
+  // o_partial [splits, B, T, N, H], lse_partial [splits, B, T, N]; and a ticket counter per row
+  // tile [B, grid y], zeroed by the handler: the tile's last split to finish combines them
+  // (combine_splits.cuh).
   float* o_partial;
   float* lse_partial;
+  int* split_tickets;
   int splits;
   // A paged cache (nullptr: dense). k and v are then pools [pool_pages, page_size, K, H], and
   // key s of batch row b is in page page_table[b * max_pages + s / page_size] (clamped into the

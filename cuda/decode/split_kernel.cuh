@@ -2,7 +2,7 @@
 // batch row). Each warp streams every kWarps-th block of the split through its own cp.async ring
 // (warp_ring.cuh), computes S = Q K^T and O += P V with mma.sync, and keeps an online softmax
 // (common/online_softmax.cuh); the warps merge at the end (tile_output.cuh), and with several
-// splits the combine kernel merges the splits. Work follows the lengths: a split covers a share
+// splits the last one of a tile to finish merges them (combine_splits.cuh). Work follows the lengths: a split covers a share
 // of the keys its rows can see, not of the cache buffer.
 #pragma once
 
@@ -13,6 +13,7 @@
 #include "common/online_softmax.cuh"
 #include "common/ptx.cuh"
 #include "common/tile.cuh"
+#include "decode/combine_splits.cuh"
 #include "decode/config.cuh"
 #include "decode/kv_source.cuh"
 #include "decode/packed_rows.cuh"
@@ -46,7 +47,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) split_kernel(const DecodeParams
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int batch = blockIdx.z;
   const PackedRows rows = PackedRows::of_cta(p);
-  const Band band = Band::from<true>(p, batch);
+  const int kv_length = p.kv_lengths ? min(max(__ldg(p.kv_lengths + batch), 0), p.seqlen_k) : p.seqlen_k;
+  const Band band = Band::with_lengths<true>(p, batch, p.seqlen_q, kv_length);
   const auto logits = Logits<cap_of(kVariant)>::from(p);
   const Range keys = band.keys_of(rows.query(0), rows.query(rows.last_valid()));
   const BlockRange blocks = split_blocks(keys, blockIdx.x, p.splits);
@@ -150,6 +152,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) split_kernel(const DecodeParams
   }
   ptx::cp_async_wait<0>();
   merge_and_store<Cfg>(p, rows, batch, blockIdx.x, softmax, acc_o, logits.unit, smem);
+  if (p.splits > 1) combine_if_last<Cfg>(p, rows, batch, smem);
 }
 
 }  // namespace jax_flash::decode

@@ -278,11 +278,12 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 
 // Decode: q [B, T, N, H] against a dense cache k, v [B, S, K, H] or, with a page table
 // [B, max_pages], a pool of pages [P, page_size, K, H]; the split scratch [splits, B, T, N, H] and
-// [splits, B, T, N] float32 (empty with one split).
+// [splits, B, T, N] float32 and the tickets [B, K * row tiles] (each empty with one split).
 ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> page_table,
+                       ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> page_table,
                        ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                        ffi::Result<ffi::Buffer<ffi::F32>> o_partial, ffi::Result<ffi::Buffer<ffi::F32>> lse_partial,
+                       ffi::Result<ffi::Buffer<ffi::S32>> split_tickets,
                        float scale, float softcap, int32_t window_left, int32_t window_right, int32_t splits) {
   DecodeParams p{};
   DType dtype;
@@ -309,7 +310,13 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   if (!fwd_supports_head_dim(p.head_dim)) {
     return ffi::Error::InvalidArgument("jax_flash: no decode kernel for head dim " + std::to_string(p.head_dim));
   }
-  if (ffi::Error e = fill_seqlens(seqlens, &p); e.failure()) return e;
+  if (kv_lengths.element_count() > 0) {
+    if (!has_shape(kv_lengths, {p.batch, 1})) {
+      return ffi::Error::InvalidArgument("jax_flash: kv_lengths must be [B, 1] or empty, got " +
+                                         shape_string(kv_lengths.dimensions()));
+    }
+    p.kv_lengths = kv_lengths.typed_data();
+  }
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
   p.splits = splits;
@@ -324,8 +331,16 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                                        shape_string(o_partial->dimensions()) + " and " +
                                        shape_string(lse_partial->dimensions()));
   }
+  const int64_t tiles = int64_t(p.kv_heads) * ((int64_t(p.seqlen_q) * (p.heads / p.kv_heads) + kDecodeTileRows - 1) /
+                                               kDecodeTileRows);
+  if (splits > 1 && int64_t(split_tickets->element_count()) != p.batch * tiles) {
+    return ffi::Error::InvalidArgument("jax_flash: the split tickets must be [B, K * 16-row tiles] = [" +
+                                       std::to_string(p.batch) + ", " + std::to_string(tiles) + "], got " +
+                                       shape_string(split_tickets->dimensions()));
+  }
   p.o_partial = o_partial->typed_data();
   p.lse_partial = lse_partial->typed_data();
+  p.split_tickets = split_tickets->typed_data();
   return launch_status(run_decode(dtype, p, stream), "decode");
 }
 
@@ -394,12 +409,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_decode_handler, jax_flash::decode_impl,
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k: cache [B, S, K, H] or pages [P, page_size, K, H]
                                   .Arg<ffi::AnyBuffer>()  // v: as k
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seqlens [B, 2] or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv lengths [B, 1] or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page table [B, max_pages], or empty: dense
                                   .Ret<ffi::AnyBuffer>()  // o
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [B, N, T]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // split outputs [splits, B, T, N, H] or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()  // split lse [splits, B, T, N] or empty
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // split tickets [B, K * row tiles] or empty
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")  // 0: none
                                   .Attr<int32_t>("window_left")

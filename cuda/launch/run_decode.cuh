@@ -1,11 +1,10 @@
-// Launcher of the decode kernels for one (element type, head dim, variant): the split kernel over
-// (splits, kv heads x row tiles, batch) and, with several splits, the combine kernel.
+// Launcher of the decode kernel for one (element type, head dim, variant): the split kernel over
+// (splits, kv heads x row tiles, batch), which also combines the splits.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include "common/grid.cuh"
-#include "decode/combine_kernel.cuh"
 #include "decode/config.cuh"
 #include "decode/params.h"
 #include "decode/split_kernel.cuh"
@@ -23,11 +22,11 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   }
   auto kernel = decode::split_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
+  if (p.splits > 1) {  // the tickets of the combine step
+    const size_t bytes = sizeof(int) * size_t(p.batch) * size_t(tiles);
+    if (cudaError_t e = cudaMemsetAsync(p.split_tickets, 0, bytes, stream); e != cudaSuccess) return e;
+  }
   kernel<<<dim3(p.splits, unsigned(tiles), p.batch), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || p.splits == 1) return e;
-  const int64_t out_rows = int64_t(p.batch) * p.seqlen_q * p.heads;
-  const int64_t ctas = (out_rows + decode::kCombineWarps - 1) / decode::kCombineWarps;
-  decode::combine_kernel<T, kHeadDim><<<unsigned(ctas), decode::kCombineWarps * 32, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
