@@ -14,7 +14,7 @@ summed back over them.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
@@ -47,10 +47,18 @@ def _call_folded(fn: Callable, axis_size: int, in_batched, args, broadcast=(), s
     return tuple(outs), (True,) * len(outs)
 
 
-def fold_into_batch(fn: Callable, broadcast=(), summed=None) -> Callable:
+def _indices(names: Sequence[str], of: Sequence[str]) -> tuple[int, ...]:
+    return tuple(of.index(name) for name in names)
+
+
+def fold_into_batch(fn: Callable, *, operands: Sequence[str] = (), results: Sequence[str] = (),
+                    broadcast: Sequence[str] = (), summed: Mapping[str, str] | None = None) -> Callable:  # fmt: skip
     """fn(*arrays) -> tuple of arrays, each with its batch on axis 0, batched as one call.
-    `broadcast`: indices of operands whose batch axis may be 1; `summed`: {result index: operand
-    index} of results that sum over such an operand's batch axis."""
+    `operands` and `results` name fn's arguments and results in order; `broadcast`: the operands
+    whose batch axis may be 1; `summed`: {result: operand} for results that sum over such an
+    operand's batch axis."""
+    broadcast = _indices(broadcast, operands)
+    summed = {results.index(r): operands.index(o) for r, o in (summed or {}).items()}
     wrapped = custom_vmap(fn)
 
     @wrapped.def_vmap
@@ -71,10 +79,13 @@ def _queries_into_heads(fn: Callable, axis_size: int, q, *rest):
     return (out, lse), (True, True)
 
 
-def fold_queries_into_heads(forward: Callable, broadcast=()) -> Callable:
-    """forward(q, k, v, *masks) -> (out [B, T, N, H], lse [B, N, T]), batched as one call. With
-    only q mapped and no `broadcast` operand (bias, mask) given, q [V, B, T, N, H] runs as
-    [B, T, N * V, H] (head n * V + v, in kv head n // group); otherwise as `fold_into_batch`."""
+def fold_queries_into_heads(forward: Callable, *, operands: Sequence[str] = (), broadcast: Sequence[str] = ()
+                            ) -> Callable:  # fmt: skip
+    """forward(q, k, v, *rest) -> (out [B, T, N, H], lse [B, N, T]), batched as one call (operands
+    named by `operands`, in order). With only q mapped and no `broadcast` operand (bias, mask)
+    given, q [V, B, T, N, H] runs as [B, T, N * V, H] (head n * V + v, in kv head n // group);
+    otherwise as `fold_into_batch`."""
+    broadcast = _indices(broadcast, operands)
     wrapped = custom_vmap(forward)
 
     @wrapped.def_vmap

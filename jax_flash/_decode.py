@@ -15,10 +15,12 @@ import os
 
 import jax
 
+from jax_flash import _contract
+
 MAX_QUERIES = 16  # the decode kernels take calls of at most this many queries
-TILE_ROWS = 16  # kDecodeTileRows in cuda/decode/params.h
-BLOCK_KEYS = 16  # kDecodeBlockKeys
-MAX_SPLITS = 128  # kMaxDecodeSplits
+TILE_ROWS = _contract.DECODE_TILE_ROWS
+BLOCK_KEYS = _contract.DECODE_BLOCK_KEYS
+MAX_SPLITS = _contract.MAX_DECODE_SPLITS
 MAX_GRID_YZ = 65535
 # CTAs of the split rule's waves: one an SM. Two fit (96 KB of shared memory each), but on an H100
 # one CTA an SM already streams at 88% of HBM (1 x 128k: 181 us at 8 splits, 186 at 29), and each

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _batching, _decode, _partition
+from jax_flash import _batching, _contract, _decode, _partition
 from jax_flash._masks import KernelMasks
 
 
@@ -76,7 +76,6 @@ def _window_attrs(config) -> dict:
 # the mma.sync kernels elsewhere) or "sm80" (the mma.sync kernels everywhere, so that they stay
 # tested on Hopper).
 KERNELS_ENV = "JAX_FLASH_KERNELS"
-_STATS_ROW_MULTIPLE = 640  # kStatsRowMultiple in cuda/common/params.h
 _KERNEL_FAMILIES = {"best": 0, "sm80": 80}
 
 
@@ -136,9 +135,10 @@ def _dbias_shape(bias, q, k) -> tuple[int, ...]:
 
 
 def _fwd_scratch_size(batch: int, seqlen_q: int, heads: int) -> int:
-    """int32 elements of the sm90 forward's scratch (FwdScratch in cuda/common/params.h): three
-    counters, then a flag and a list entry per 128-row tile."""
-    return 3 + 2 * batch * heads * -(-seqlen_q // 128)
+    """int32 elements of the sm90 forward's scratch (FwdScratch in cuda/common/params.h): its
+    counters, then a flag and a list entry per tile of its smallest rows."""
+    tiles = batch * heads * -(-seqlen_q // _contract.FWD_SCRATCH_TILE_ROWS)
+    return _contract.FWD_SCRATCH_COUNTERS + 2 * tiles
 
 
 def forward(config, q, k, v, masks: KernelMasks, bias, mask):
@@ -164,7 +164,8 @@ def forward(config, q, k, v, masks: KernelMasks, bias, mask):
         run_split = _partition.over_batch_and_heads(kernel, layouts_in, ("b-n-", "bn-"), n, k.shape[2])
         return run_split(q, k, v, bias, mask, *masks)
 
-    folded = _batching.fold_queries_into_heads(run, broadcast=(3, 4))
+    folded = _batching.fold_queries_into_heads(run, operands=("q", "k", "v", "bias", "mask", *KernelMasks._fields),
+                                               broadcast=("bias", "mask"))  # fmt: skip
     return _partition.vary_like(folded(q, k, v, bias, mask, *masks), q, k, v)
 
 
@@ -217,7 +218,7 @@ def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, 
         def kernel(q, k, v, out, lse, d_out, d_lse, bias, mask, *masks):
             b, t, n, _ = q.shape
             # Per-row statistics scratch, rows padded to whole query blocks (cuda/common/params.h).
-            padded_t = -(-t // _STATS_ROW_MULTIPLE) * _STATS_ROW_MULTIPLE
+            padded_t = -(-t // _contract.STATS_ROW_MULTIPLE) * _contract.STATS_ROW_MULTIPLE
             stats = jax.ShapeDtypeStruct((b, n, padded_t), jnp.float32)
             result_types = (
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -241,7 +242,9 @@ def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, 
         grads = _partition.over_batch_and_heads(kernel, layouts_in + _MASK_LAYOUTS, layouts_out, n, k.shape[2])
         return grads(q, k, v, out, lse, d_out, d_lse, bias, mask, *masks)
 
-    fold = _batching.fold_into_batch(run, broadcast=(7, 8), summed={3: 7} if want_dbias else None)
+    operands = ("q", "k", "v", "out", "lse", "d_out", "d_lse", "bias", "mask", *KernelMasks._fields)
+    fold = _batching.fold_into_batch(run, operands=operands, results=("dq", "dk", "dv", "dbias"),
+                                     broadcast=("bias", "mask"), summed={"dbias": "bias"} if want_dbias else None)
     dq, dk, dv, dbias = fold(q, k, v, out, lse.astype(jnp.float32), d_out, d_lse.astype(jnp.float32),
                              bias, mask, *masks)  # fmt: skip
     return _partition.vary_like((dq, dk, dv, dbias), q, k, v, out, d_out)

@@ -20,8 +20,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-CHUNK = 64  # kMaskChunk in cuda/common/params.h
-CHUNK_FIELDS = 6  # the int32 fields of MaskChunk
+from jax_flash import _contract
+
+CHUNK = _contract.MASK_CHUNK
+CHUNK_FIELDS = len(_contract.MASK_CHUNK_FIELDS)  # the int32 fields of MaskChunk, in this order
 
 
 class KernelMasks(NamedTuple):
@@ -79,6 +81,11 @@ def _one_segment_rows(low, high, other_low, other_high, other_length: int):
     return _rows(first, last, one_run, other_length)
 
 
+def _chunk_summaries(**fields) -> jax.Array:
+    """[B, C, CHUNK_FIELDS] int32: the fields of each chunk in MaskChunk's order (the contract)."""
+    return jnp.stack([fields[name] for name in _contract.MASK_CHUNK_FIELDS], -1).astype(jnp.int32)
+
+
 def kernel_masks(batch: int, t: int, s: int, query_seq_lengths, key_value_seq_lengths, q_segment_ids,
                  kv_segment_ids) -> KernelMasks:  # fmt: skip
     """The kernel operands for these (validated) masks; absent ones as empty arrays."""
@@ -97,6 +104,8 @@ def kernel_masks(batch: int, t: int, s: int, query_seq_lengths, key_value_seq_le
     query_begin, query_end = _other_rows(kv_min, kv_max, q_min, q_max, t)
     one_key_begin, one_key_end = _one_segment_rows(q_min, q_max, kv_min, kv_max, s)
     one_query_begin, one_query_end = _one_segment_rows(kv_min, kv_max, q_min, q_max, t)
-    q_chunks = jnp.stack([q_min, q_max, key_begin, key_end, one_key_begin, one_key_end], -1)
-    kv_chunks = jnp.stack([kv_min, kv_max, query_begin, query_end, one_query_begin, one_query_end], -1)
+    q_chunks = _chunk_summaries(segment_min=q_min, segment_max=q_max, other_begin=key_begin, other_end=key_end,
+                                one_begin=one_key_begin, one_end=one_key_end)  # fmt: skip
+    kv_chunks = _chunk_summaries(segment_min=kv_min, segment_max=kv_max, other_begin=query_begin, other_end=query_end,
+                                 one_begin=one_query_begin, one_end=one_query_end)  # fmt: skip
     return KernelMasks(seqlens, q_segment_ids, kv_segment_ids, q_chunks, kv_chunks)

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from jax_flash import _decode, _ffi
+from jax_flash import _contract, _decode, _ffi
 from jax_flash._masks import KernelMasks, kernel_masks
 from jax_flash._validation import AttentionConfig, Call
 
-FWD_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-BWD_HEAD_DIMS = (32, 64, 96, 128, 256)  # 192 runs the 256 kernels, zero-padded
+FWD_HEAD_DIMS = _contract.FWD_HEAD_DIMS
+BWD_HEAD_DIMS = _contract.BWD_HEAD_DIMS  # 192 runs the 256 kernels, zero-padded
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16)
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 # The default build's machine code (CMakeLists.txt: sm_80 and sm_90a, no PTX) runs on these major
@@ -78,8 +78,8 @@ def paged_reason(call: Call, page_size: int) -> str | None:
         return f"the decode kernels take at most {_decode.MAX_QUERIES} queries (and grids within CUDA's limits)"
     if page_size % _decode.BLOCK_KEYS:
         return f"the decode kernels read pages of a multiple of {_decode.BLOCK_KEYS} tokens, got {page_size}"
-    if h not in FWD_HEAD_DIMS:
-        return f"the decode kernels read head dims {FWD_HEAD_DIMS} in place (others would copy the pool)"
+    if h not in _contract.DECODE_HEAD_DIMS:
+        return f"the decode kernels read head dims {_contract.DECODE_HEAD_DIMS} in place (others would copy the pool)"
     return None
 
 

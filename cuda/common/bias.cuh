@@ -1,4 +1,4 @@
-// The additive bias and boolean mask of the kBias variant (params.h), and the bias's gradient,
+// The additive bias and boolean mask of the kEverything variant (params.h), and the bias's gradient,
 // for one (batch row, query head). Arrays broadcast to [B, N, T, S] through zero strides.
 #pragma once
 

@@ -10,10 +10,10 @@
 namespace jax_flash {
 
 // Whether a kernel variant (params.h) applies a cap: never, always (kSoftcap), or when the call
-// has one (kBias, which takes every feature in one instantiation).
+// has one (kEverything, which takes every feature in one instantiation).
 enum class Cap { kNever, kAlways, kIfSet };
 constexpr Cap cap_of(Variant v) {
-  return v == Variant::kSoftcap ? Cap::kAlways : v == Variant::kBias ? Cap::kIfSet : Cap::kNever;
+  return v == Variant::kSoftcap ? Cap::kAlways : v == Variant::kEverything ? Cap::kIfSet : Cap::kNever;
 }
 
 template <Cap kCap>

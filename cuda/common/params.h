@@ -5,26 +5,27 @@
 
 #include <cstdint>
 
+#include "generated/contract.h"
+
 namespace jax_flash {
 
 // Segment ids come with a summary per kMaskChunk rows (queries) or keys, computed on the host
 // side (jax_flash/_masks.py): the chunk's smallest and largest segment id, the range of the other
 // side (keys of a query chunk, queries of a key chunk) whose chunks share a segment with it, and
-// the range whose chunks hold only this chunk's one segment id (empty if it holds several).
-constexpr int kMaskChunk = 64;
-struct MaskChunk {
-  int segment_min, segment_max, other_begin, other_end, one_begin, one_end;
-};
-constexpr int kMaskChunkFields = sizeof(MaskChunk) / sizeof(int);
+// the range whose chunks hold only this chunk's one segment id (empty if it holds several). The
+// sizes and fields come from the kernel contract (scripts/generate_instantiations.py).
+constexpr int kMaskChunk = contract::kMaskChunk;
+using contract::kMaskChunkFields;
+using contract::MaskChunk;
 
 // The compiled variants of every kernel. kPlain reads no masks (the dispatch checked there are
 // none), kMasked reads sequence lengths and segment ids, kSoftcap is kMasked plus the soft cap.
-// kBias reads everything: kMasked's masks, the soft cap when one is set, and an additive bias and
-// boolean mask over [B, N, T, S] (the sm90 forward in the pairs layout only, bias.cuh; the sm90
+// kEverything reads everything: kMasked's masks, the soft cap when one is set, and an additive
+// bias and boolean mask over [B, N, T, S] (the sm90 forward in the pairs layout only, bias.cuh; the sm90
 // backward at d = 64 and 128 in layouts TMA copies, sm90/bwd_bias_tiles.cuh, at d = 256 in the
 // pairs layout, its soft cap in kernels of their own; the sm80 kernels always).
 // Separate instantiations keep the common calls' kernels free of the others' registers.
-enum class Variant { kPlain, kMasked, kSoftcap, kBias };
+enum class Variant { kPlain, kMasked, kSoftcap, kEverything };
 
 // Element strides of an array broadcast to [B, N, T, S]: 0 along its axes of size 1.
 struct Strides4 {
@@ -49,7 +50,7 @@ struct FwdParams {
   const int* kv_segments;
   const MaskChunk* q_chunks;   // [B, ceil(T / kMaskChunk)], with the segment ids
   const MaskChunk* kv_chunks;  // [B, ceil(S / kMaskChunk)]
-  // kBias only (nullptr: none): an additive bias, float32 or the dtype of q, and a boolean mask
+  // kEverything only (nullptr: none): an additive bias, float32 or the dtype of q, and a boolean mask
   // (true: attend), each broadcastable to [B, N, T, S].
   const void* bias;
   bool bias_fp32;
@@ -68,18 +69,19 @@ struct FwdScratch {
   static constexpr int kCounter = 0;      // the first pass's tile counter
   static constexpr int kRedoCounter = 1;  // the redo pass's
   static constexpr int kRedoCount = 2;    // tiles listed
-  static constexpr int kFlags = 3;        // [tiles]: 1 where a tile is listed
+  static constexpr int kFlags = contract::kFwdScratchCounters;  // [tiles]: 1 where a tile is listed
   static constexpr int redo_list(int tiles) { return kFlags + tiles; }  // [tiles]
   static constexpr int64_t size(int64_t tiles) { return kFlags + 2 * tiles; }
-  // The size the caller allocates: enough for the smallest tiles (128 rows).
+  // The size the caller allocates: enough for the smallest tiles.
   static constexpr int64_t size_for(int64_t batch, int64_t seqlen_q, int64_t heads) {
-    return size(batch * heads * ((seqlen_q + 127) / 128));
+    constexpr int kRows = contract::kFwdScratchTileRows;
+    return size(batch * heads * ((seqlen_q + kRows - 1) / kRows));
   }
 };
 
 // A multiple of every backward kernel's query block (64, 80, 128): the statistics rows are padded
 // to a multiple of it.
-constexpr int kStatsRowMultiple = 640;
+constexpr int kStatsRowMultiple = contract::kStatsRowMultiple;
 
 struct BwdParams : FwdParams {
   const void* dout;
@@ -110,7 +112,7 @@ struct BwdParams : FwdParams {
   // scratch, for the launcher to choose.
   int* dq_tickets;
   int* dq_counters;
-  // kBias only: the bias's gradient, d loss / d logit, float32, zeroed by the handler and added to
+  // kEverything only: the bias's gradient, d loss / d logit, float32, zeroed by the handler and added to
   // with atomics (so broadcast axes sum up); nullptr: not wanted.
   float* dbias;
   Strides4 dbias_strides;

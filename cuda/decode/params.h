@@ -8,12 +8,12 @@
 
 namespace jax_flash {
 
-// Splits of one row tile's keys over CTAs, at most: the combine kernel keeps a weight per split.
-constexpr int kMaxDecodeSplits = 128;
+// Splits of one row tile's keys over CTAs, at most: the combine step keeps a weight per split.
+constexpr int kMaxDecodeSplits = contract::kMaxDecodeSplits;
 // Query rows of one decode CTA (one m16 tile): the (query, head of the group) pairs of a kv head.
-constexpr int kDecodeTileRows = 16;
+constexpr int kDecodeTileRows = contract::kDecodeTileRows;
 // Keys a warp reads per step; pages are whole multiples of it, so that no step spans two pages.
-constexpr int kDecodeBlockKeys = 16;
+constexpr int kDecodeBlockKeys = contract::kDecodeBlockKeys;
 
 struct DecodeParams : FwdParams {
   // [B] keys of each batch row, clamped into [0, seqlen_k] (nullptr: seqlen_k). Read directly, so

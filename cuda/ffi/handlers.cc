@@ -307,7 +307,7 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
     return e;
   }
   if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, &p); e.failure()) return e;
-  if (!fwd_supports_head_dim(p.head_dim)) {
+  if (!contract::decode_supports_head_dim(p.head_dim)) {
     return ffi::Error::InvalidArgument("jax_flash: no decode kernel for head dim " + std::to_string(p.head_dim));
   }
   if (kv_lengths.element_count() > 0) {

@@ -11,17 +11,18 @@
 namespace jax_flash {
 namespace {
 
+// fn(std::integral_constant<int, d>{}) for the head dim d of `dims` equal to head_dim.
+template <int... kDims, typename Fn>
+cudaError_t for_head_dim(std::integer_sequence<int, kDims...>, int head_dim, Fn&& fn) {
+  cudaError_t status = cudaErrorInvalidValue;
+  ((head_dim == kDims && (status = fn(std::integral_constant<int, kDims>{}), true)) || ...);
+  return status;
+}
+
+// Every forward head dim; the backward's and the Hopper kernels' are subsets (contract.h).
 template <typename Fn>
 cudaError_t by_head_dim(int head_dim, Fn&& fn) {
-  switch (head_dim) {
-    case 32: return fn(std::integral_constant<int, 32>{});
-    case 64: return fn(std::integral_constant<int, 64>{});
-    case 96: return fn(std::integral_constant<int, 96>{});
-    case 128: return fn(std::integral_constant<int, 128>{});
-    case 192: return fn(std::integral_constant<int, 192>{});
-    case 256: return fn(std::integral_constant<int, 256>{});
-    default: return cudaErrorInvalidValue;
-  }
+  return for_head_dim(contract::FwdHeadDims{}, head_dim, fn);
 }
 
 // True on a Hopper GPU (sm_90) when the module holds sm_90a code (JAX_FLASH_CUDA_ARCHS has 90a).
@@ -44,7 +45,7 @@ bool use_sm90(KernelFamily family) {
 // The variant that reads what the call has (params.h).
 template <typename Fn>
 cudaError_t by_variant(const FwdParams& p, Fn&& fn) {
-  if (p.bias != nullptr || p.mask != nullptr) return fn(std::integral_constant<Variant, Variant::kBias>{});
+  if (p.bias != nullptr || p.mask != nullptr) return fn(std::integral_constant<Variant, Variant::kEverything>{});
   if (p.softcap > 0.f) return fn(std::integral_constant<Variant, Variant::kSoftcap>{});
   if (p.seqlens != nullptr || p.q_segments != nullptr) return fn(std::integral_constant<Variant, Variant::kMasked>{});
   return fn(std::integral_constant<Variant, Variant::kPlain>{});
@@ -57,7 +58,7 @@ cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream
     constexpr int kHeadDim = decltype(d)::value;
     if constexpr (fwd_sm90_supports_head_dim(kHeadDim)) {
       // A bias or mask in another layout than pairs (odd S, strided keys) runs the sm80 kernel.
-      const bool layout_ok = kVariant != Variant::kBias || bias_in_pairs(p);
+      const bool layout_ok = kVariant != Variant::kEverything || bias_in_pairs(p);
       if (sm90 && layout_ok) return run_fwd_sm90<T, kHeadDim, kVariant>(p, stream);
     }
     return run_fwd_sm80<T, kHeadDim, kVariant>(p, stream);
@@ -78,8 +79,8 @@ cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream
     if constexpr (bwd_sm90_supports_head_dim(kHeadDim)) {
       // The sm90 backward stages the bias by TMA (BwdBiasTiles), or at d = 256 reads it in pairs
       // of keys (bias.cuh).
-      bool bias_ok = kVariant != Variant::kBias;
-      if constexpr (kVariant == Variant::kBias) {
+      bool bias_ok = kVariant != Variant::kEverything;
+      if constexpr (kVariant == Variant::kEverything) {
         if constexpr (kHeadDim == 256) {
           bias_ok = bias_in_pairs(p);
         } else {
@@ -103,7 +104,7 @@ cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream
 
 template <typename T>
 cudaError_t decode_for(const DecodeParams& p, cudaStream_t stream) {
-  return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
+  return for_head_dim(contract::DecodeHeadDims{}, p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
     if (p.softcap > 0.f) return run_decode<T, kHeadDim, Variant::kSoftcap>(p, stream);
     return run_decode<T, kHeadDim, Variant::kMasked>(p, stream);

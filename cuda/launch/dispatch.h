@@ -10,16 +10,14 @@ namespace jax_flash {
 
 enum class DType { kFloat16, kBFloat16 };
 
-// Head dims with kernels; other sizes are padded up to the next one by the Python layer.
-constexpr bool fwd_supports_head_dim(int d) {
-  return d == 32 || d == 64 || d == 96 || d == 128 || d == 192 || d == 256;
-}
-constexpr bool bwd_supports_head_dim(int d) { return d == 32 || d == 64 || d == 96 || d == 128 || d == 256; }
-// Head dims of the Hopper kernels; the others run the sm80 kernels on Hopper too.
-constexpr bool fwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 192 || d == 256; }
-// The sm90 backward's head dims: 64, 128 and 256 (bwd_wide_kernel.cuh), every variant (with a bias
+// Head dims with kernels (the kernel contract, cuda/generated/contract.h); other sizes are padded
+// up to the next one by the Python layer. The Hopper kernels' head dims are a subset: the others
+// run the sm80 kernels on Hopper too. The sm90 backward takes every variant there (with a bias
 // only where its tiles copy by TMA and fit or, at d = 256, in pairs of keys: dispatch.cu).
-constexpr bool bwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 256; }
+using contract::bwd_sm90_supports_head_dim;
+using contract::bwd_supports_head_dim;
+using contract::fwd_sm90_supports_head_dim;
+using contract::fwd_supports_head_dim;
 
 // Which kernel family a call may use: the fastest one for the device, or only the mma.sync
 // (sm80) kernels, which run on every GPU from sm_80 on (to test them on Hopper).

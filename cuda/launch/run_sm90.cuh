@@ -110,12 +110,12 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // 14%); at H = 256 the blocks are 80 keys against 64, and they lost nothing.
   // The bias variant keeps the narrow blocks: with the wide ones its loads' registers spilled. It
   // stages its tiles by TMA where they copy by rows and fit (FwdBiasTiles).
-  if constexpr (kVariant == Variant::kBias) {
+  if constexpr (kVariant == Variant::kEverything) {
     if (sm90::FwdBiasTiles<kHeadDim>::of(p, sizeof(T)).stages > 0) {
       return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 2, false, true>, kVariant>(p, stream);
     }
   }
-  if constexpr ((kHeadDim == 128 || kHeadDim == 256) && kVariant != Variant::kBias) {
+  if constexpr ((kHeadDim == 128 || kHeadDim == 256) && kVariant != Variant::kEverything) {
     const bool edges = p.window_left >= 0 || p.q_segments != nullptr;
     if (kHeadDim == 256 || !edges) {
       return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 2, true>, kVariant>(p, stream);
@@ -159,7 +159,7 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   sm90::BwdTensorMaps maps;
   if (cudaError_t e = make_bwd_tensor_maps<Cfg>(p, &maps); e != cudaSuccess) return e;
   auto kernel = sm90::bwd_kernel<Cfg, kVariant>;
-  if constexpr (kVariant == Variant::kBias) {  // with dbias or not, capped or not
+  if constexpr (kVariant == Variant::kEverything) {  // with dbias or not, capped or not
     if (p.softcap > 0.f) {
       kernel = p.dbias != nullptr ? sm90::bwd_kernel<Cfg, kVariant, true, true>
                                   : sm90::bwd_kernel<Cfg, kVariant, false, true>;
@@ -190,7 +190,7 @@ cudaError_t launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
   if (cudaError_t e = make_bwd_tensor_maps<Cfg>(p, &maps); e != cudaSuccess) return e;
   auto dkdv_kernel = sm90::bwd_wide_kernel<Cfg, kVariant>;
   auto dq_kernel = sm90::bwd_dq_kernel<DqCfg, kVariant>;
-  if constexpr (kVariant == Variant::kBias) {  // with dbias or not, capped or not
+  if constexpr (kVariant == Variant::kEverything) {  // with dbias or not, capped or not
     if (p.softcap > 0.f) {
       dkdv_kernel = p.dbias != nullptr ? sm90::bwd_wide_kernel<Cfg, kVariant, true, true>
                                        : sm90::bwd_wide_kernel<Cfg, kVariant, false, true>;
@@ -227,7 +227,7 @@ cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
         return launch_bwd_sm90<Cfg, kVariant>(p, stream);
       }
     }
-    constexpr bool kBias = kVariant == Variant::kBias;
+    constexpr bool kBias = kVariant == Variant::kEverything;
     using Cfg = sm90::BwdConfig<T, kHeadDim, kHeadDim == 64 ? 128 : 64, kBias>;
     return launch_bwd_sm90<Cfg, kVariant>(p, stream);
   }

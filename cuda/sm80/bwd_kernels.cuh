@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   constexpr int kSdpMTiles = Cfg::kSdpRowsPerWarp / 16;  // m16 tiles of a warp's S and dP
   constexpr int kDqMTiles = Cfg::kDqRowsPerWarp / 16;
   constexpr int kDqNTiles = Cfg::kDqColsPerWarp / 8;
-  constexpr bool kMasked = kVariant != Variant::kPlain, kBias = kVariant == Variant::kBias;
+  constexpr bool kMasked = kVariant != Variant::kPlain, kBias = kVariant == Variant::kEverything;
 
   extern __shared__ __align__(128) char smem[];
   // Layout: K, V, kStages x (Q, dO, lse, delta), P, dS.

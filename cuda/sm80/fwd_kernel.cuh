@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   constexpr int kDTiles = kHeadDim / 8;   // n8 tiles of O per warp
   constexpr int kKSteps = kHeadDim / 16;  // k16 steps of Q K^T
   constexpr float kLog2e = 1.4426950408889634f;
-  constexpr bool kMasked = kVariant != Variant::kPlain, kBias = kVariant == Variant::kBias;
+  constexpr bool kMasked = kVariant != Variant::kPlain, kBias = kVariant == Variant::kEverything;
 
   extern __shared__ __align__(128) char smem[];
   const uint32_t sQ = ptx::smem_addr(smem);

@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
-  constexpr bool kBias = kVariant == Variant::kBias;
+  constexpr bool kBias = kVariant == Variant::kEverything;
   static_assert(kBias || (!kBiasGrad && !kBiasCapped), "dbias and kBiasCapped need a bias");
   // A capped step (kCappedStep) waits for dP^T as well as S^T before its softmax, and takes
   // dP^T - delta there, times the tanh's slopes, except where dbias wants d logit without them

@@ -147,7 +147,7 @@ struct FwdWork {
   __device__ static FwdTile tile_of(int tile, const FwdParams& p) {
     if constexpr (kRedo) tile = p.tile_scratch[FwdScratch::redo_list(all_tiles(p)) + tile];
     const bool shared_bias = (!p.bias || p.bias_strides.head == 0) && (!p.mask || p.mask_strides.head == 0);
-    return FwdTile::from(tile, m_blocks(p), p.heads, kVariant == Variant::kBias && shared_bias);
+    return FwdTile::from(tile, m_blocks(p), p.heads, kVariant == Variant::kEverything && shared_bias);
   }
   __device__ static FwdWork of(int tile, const FwdParams& p) {
     const FwdTile t = tile_of(tile, p);
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kStages = Cfg::kStages;
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
-  constexpr bool kBias = kVariant == Variant::kBias, kSoftcap = kVariant == Variant::kSoftcap;
+  constexpr bool kBias = kVariant == Variant::kEverything, kSoftcap = kVariant == Variant::kSoftcap;
   using Work = FwdWork<Cfg, kVariant, kRedo>;
   // The consumers read each tile's work where the producer published it (FwdWork), except in the
   // redo pass and the capped H = 256 kernel, whose consumers then spilled (56-152 and 24 bytes);
@@ -452,7 +452,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       ptx::wgmma_commit();
     };
-    // Soft cap (the kBias variant: where the call has one), bias and boolean mask, then the band
+    // Soft cap (the kEverything variant: where the call has one), bias and boolean mask, then the band
     // mask (only blocks that straddle the band, the end of the keys or a segment's edge). The
     // masked variant tests a block against its tile's one-segment keys (arithmetic) and compares
     // no ids in a block of one segment; the others read the block's chunks (all_visible).
