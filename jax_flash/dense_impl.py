@@ -11,7 +11,7 @@ The budget counts one float32 [B, N, T, S] score matrix (JAX's gradient keeps ab
 arrays alive): 1/16 of the device's memory on a GPU (about 3.7 GB on an H100, whose JAX client
 takes 75% of its 80 GB: the dense path ran 3-4x faster than the blockwise one at 2 GB of scores,
 d = 320-1024), 8 MiB elsewhere: on a CPU the blockwise path was already faster from 16 MiB of
-scores (docs/PERF.md, "The xla path's dense formulation").
+scores (docs/perf/log.md, "The xla path's dense formulation").
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def attention(call: Call) -> tuple[jax.Array, jax.Array]:
 
     As jax.nn's xla path does, the query heads of each kv head are a vmapped axis over a
     computation in [B, K, T, S]: on a CPU its gradient ran 1.2-1.5x faster than the same
-    products written on [B, N, T, S] or [B, K, G, T, S] (docs/PERF.md)."""
+    products written on [B, N, T, S] or [B, K, G, T, S] (docs/perf/log.md)."""
     q, k, v, cfg = call.query, call.key, call.value, call.config
     b, t, n, h = q.shape
     kv_heads = k.shape[2]

@@ -2,7 +2,7 @@
 // a time ([kBlockM queries x kBlockN keys] of each) by TMA and read by the consumers with shared
 // loads: what the forward (fwd_bias_tiles.cuh) and the backward (bwd_bias_tiles.cuh) share. Read
 // from global memory by the consumers instead, the loads waited on L2 after each product landed
-// (the backward took 5x the plain one; docs/PERF.md, B22).
+// (the backward took 5x the plain one; docs/perf/log.md, B22).
 #pragma once
 
 #include <cuda.h>

@@ -130,13 +130,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // (kSlopesApart): there the slopes wait for dS^T in registers, as packed pairs.
   constexpr bool kCappedStep = kSoftcap || kBiasCapped, kSlopesApart = kBiasCapped && kBiasGrad;
   // Key blocks with the longest walks start first (BwdCta): 3-4% on causal rows of 4k-8k tokens
-  // (9% with a soft cap), level elsewhere (docs/PERF.md, B19).
+  // (9% with a soft cap), level elsewhere (docs/perf/log.md, B19).
   // Not where the remap's registers spill: at 80-query steps (which run no band, so that every
   // order does as well) and in the capped H = 64 kernel.
   constexpr bool kLongestFirst = kBlockM != 80 && !(kCappedStep && kHeadDim == 64);
   // dV is issued once dS^T is in shared memory (FlashAttention-3's order), so that dS^T follows
   // dP^T's landing at once, and the thread index is read ahead of where it is needed (below): 1-3%
-  // faster without a cap (docs/PERF.md, B20). With a cap (whose step waits for dP^T before the
+  // faster without a cap (docs/perf/log.md, B20). With a cap (whose step waits for dP^T before the
   // softmax), the two together were 2.5-4% slower, so the capped kernels keep the order before.
   constexpr bool kDvAfterDs = !kCappedStep, kThreadIndexAhead = !kCappedStep;
   // At H = 64 (128-query steps) dV goes out after dQ, not before: dQ's part then reaches shared
@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const BwdWalk walk = make_walk();
   const int consumer = warp_group - 1;
   // The same, broadcast from lane 0 so that the compiler knows it is uniform across the warp: the
-  // wgmma descriptors built from it then stay in uniform registers (docs/PERF.md, B8), and key0
+  // wgmma descriptors built from it then stay in uniform registers (docs/perf/log.md, B8), and key0
   // needs no S2R of the thread index each step (its wait was 1% of the stall samples).
   const int consumer_uniform = __shfl_sync(0xffffffff, consumer, 0);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;

@@ -61,7 +61,7 @@ struct FwdConfig {
   static_assert(!kWideBlocks || kHeadDim == 128 || kHeadDim == 256, "wide blocks at H = 128 and 256");
   static constexpr int kBlockN = kHeadDim <= 128 ? (kWideBlocks ? 176 : 128) : (kWideBlocks ? 80 : 64);
   // K/V stages: three at H = 128 (225 KB, +2-10% over two); H = 256 fits two; at H = 64 four
-  // measured no faster non-causal and 13% slower causal at 16k (docs/PERF.md).
+  // measured no faster non-causal and 13% slower causal at 16k (docs/perf/log.md).
   static constexpr int kStages = kHeadDim == 128 && !kWideBlocks && !kBiasTiles ? 3 : 2;
   using BiasTiles = FwdBiasTiles<kHeadDim>;
   static_assert(!kBiasTiles || (kBlockM == BiasTiles::kBlockM && kBlockN == BiasTiles::kBlockN),
@@ -70,7 +70,7 @@ struct FwdConfig {
   // O staged in the last key block's K stage (held until the store has read it) and stored by
   // TMA, with three stages only: with two, the held stage delayed the next tile's second block
   // (d = 128 causal 16k and non-causal 4k 2% slower); with three, windows and packed documents
-  // gained 1-3% (docs/PERF.md, H18). Both consumers' rows must fit in one K stage.
+  // gained 1-3% (docs/perf/log.md, H18). Both consumers' rows must fit in one K stage.
   static constexpr bool kStagedStore = kStages >= 3 && kConsumers * 64 <= kBlockN;
   // A window's first key block, cut by its left edge, visited last, so that the tile starts on a
   // whole block (as a causal one does); in the same kernels only (at d = 64 2.5% slower, H18).
@@ -125,7 +125,7 @@ struct FwdTile {
 // n_begin + blocks - 1. The producer derives it from the tile index and publishes it in a slot of
 // shared memory with the tile's Q (store / load): derived by the consumers too, its integer
 // divisions sat between a tile's Q and its first product, with the tensor cores idle (600-700
-// cycles a tile, 170-230 to read it; docs/PERF.md, H19).
+// cycles a tile, 170-230 to read it; docs/perf/log.md, H19).
 // In the redo pass (kRedo) the tiles are those the first pass listed (FwdScratch).
 template <typename Cfg, Variant kVariant, bool kRedo>
 struct FwdWork {
@@ -347,7 +347,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int consumer = warp_group - 1;
   // The same, broadcast from lane 0 so that the compiler knows it is uniform across the warp: the
   // wgmma descriptors of this consumer's Q rows then stay in uniform registers (built from
-  // `consumer`, every wgmma rebuilt its descriptor in vector registers; docs/PERF.md, B8).
+  // `consumer`, every wgmma rebuilt its descriptor in vector registers; docs/perf/log.md, B8).
   const int consumer_uniform = __shfl_sync(0xffffffff, consumer, 0);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   // This thread's rows of the tile (the accumulator layout): row_in_tile(r), r = 0, 1.
@@ -549,7 +549,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // same pass.
     // With a cap at H = 64, whose softmax the MUFU bounds (a tanh and an exp2 a logit, twice the
     // tensor cores' time), one element in four takes its exp2 on the FMA pipe: 6% faster; two in
-    // four level, three slower (docs/PERF.md).
+    // four level, three slower (docs/perf/log.md).
     constexpr int kExp2OnFmaQuarters = kSoftcap && kHeadDim == 64 ? 1 : 0;
     auto exponentiate = [&](float (&s)[kSRegs], int r, float shift, bool capped) {
       float sum = 0.f;
@@ -603,7 +603,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // the row's sum taken again): the MUFU bounds the capped softmax, and with no mask between
       // a tanh pass and an exp2 pass the compiler fills the MUFU's gaps with the FMULs and FFMAs
       // that otherwise ran before each pass, the MUFU idle (H = 128: 1-3% faster; H = 64: 2%
-      // slower, docs/PERF.md). A masked logit's exp2 against the row's max may overflow to inf
+      // slower, docs/perf/log.md). A masked logit's exp2 against the row's max may overflow to inf
       // (e^2c), never NaN: the max is finite here.
       constexpr bool kCapInOnePass = kSoftcap && kHeadDim >= 128;
       if constexpr (kCapInOnePass) {
