@@ -24,7 +24,7 @@ MAX_SPLITS = _contract.MAX_DECODE_SPLITS
 MAX_GRID_YZ = 65535
 # CTAs of the split rule's waves: one an SM. Two fit (96 KB of shared memory each), but on an H100
 # one CTA an SM already streams at 88% of HBM (1 x 128k: 181 us at 8 splits, 186 at 29), and each
-# split more costs the combine kernel a step (docs/perf/log.md, decode D2).
+# split more costs the combine step a read (docs/perf/log.md, decode D2).
 CTAS_PER_SM = 1
 # "0": never the decode kernels (the forward kernels take every call, to compare the two);
 # "1" or unset: wherever `takes` says.

@@ -44,7 +44,7 @@ class Call:
 
     query: jax.Array  # [B, T, N, H]
     key: jax.Array  # [B, S, K, H]
-    value: jax.Array  # [B, S, K, H]
+    value: jax.Array  # [B, S, K, Hv], Hv = H or not
     bias: jax.Array | None  # 4-D, each axis 1 or the full size of (B, N, T, S)
     mask: jax.Array | None  # bool, 4-D, like bias
     query_seq_lengths: jax.Array | None  # int32 [B]
@@ -83,8 +83,9 @@ def _check_qkv(query, key, value):
     batched = query.ndim == 4
     if not batched:
         query, key, value = query[None], key[None], value[None]
-    if value.shape != key.shape:
-        raise ValueError(f"value shape must equal key shape {key.shape}, got {value.shape}")
+    if value.shape[:3] != key.shape[:3]:
+        raise ValueError(f"value must have key's batch, length and heads {key.shape[:3]} (its head dim may "
+                         f"differ), got shape {value.shape}")  # fmt: skip
     b, t, n, h = query.shape
     if key.shape[0] != b:
         raise ValueError(f"key batch size must equal query's ({b}), got shape {key.shape}")

@@ -68,11 +68,15 @@ def attention(
 
         B batch   T query length   S key/value length   N query heads
         K key/value heads (N % K == 0; K < N is GQA, K == 1 is MQA)   H head dim
+        Hv value head dim (H unless given otherwise)
 
     Args:
       query: `[B, T, N, H]` (or `[T, N, H]`), float16, bfloat16, float32 or float64.
       key: `[B, S, K, H]`, same dtype as `query`.
-      value: `[B, S, K, H]`, same shape and dtype as `key`.
+      value: `[B, S, K, Hv]`, same dtype as `key`. Its head dim `Hv` may differ from the
+        query/key head dim `H` (as in DeepSeek's multi-head latent attention, 192 and 128), which
+        goes beyond `jax.nn.dot_product_attention` (it requires `Hv == H`); the output is then
+        `[B, T, N, Hv]`, and `scale` still defaults to `1 / sqrt(H)`.
       bias: optional float array added to the logits, broadcastable to `[B, N, T, S]` (each axis
         1 or full size). Differentiable.
       mask: optional boolean array, broadcastable to `[B, N, T, S]`; `True` means attend. A
@@ -101,7 +105,8 @@ def attention(
     `S` of 0 an output of zeros (every row empty), all with zero gradients.
 
     Returns:
-      The output, shaped and typed like `query`; with `return_residual`, `(output, lse)`.
+      The output, `[B, T, N, Hv]` (shaped like `query` when `Hv == H`) in the dtype of `query`; with
+      `return_residual`, `(output, lse)`.
     """
     call = validate(
         query, key, value, bias, mask,
@@ -166,7 +171,7 @@ def nothing_computed(call: Call) -> tuple[jax.Array, jax.Array]:
     so every gradient is 0."""
     q = call.query
     lse_dtype = jnp.promote_types(q.dtype, jnp.float32)
-    return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, lse_dtype)
+    return jnp.zeros(q.shape[:3] + call.value.shape[3:], q.dtype), jnp.full(q.shape[:3], -jnp.inf, lse_dtype)
 
 
 def xla_path(call: Call) -> tuple[jax.Array, jax.Array]:

@@ -55,8 +55,8 @@ def unsupported_reason(call: Call) -> str | None:
                 f"{major}.{minor}")
     if call.query.dtype not in KERNEL_DTYPES:
         return f"the kernels take float16 or bfloat16, got {call.query.dtype}"
-    if kernel_head_dim(call.query.shape[-1]) is None:
-        return f"head dim {call.query.shape[-1]} is above the largest supported ({FWD_HEAD_DIMS[-1]})"
+    if kernel_head_dim(_widest_head_dim(call)) is None:
+        return f"head dim {_widest_head_dim(call)} is above the largest supported ({FWD_HEAD_DIMS[-1]})"
     if call.config.scale <= 0:
         return "the kernels need scale > 0"
     b, n, kv_heads = call.query.shape[0], call.query.shape[2], call.key.shape[2]
@@ -90,6 +90,13 @@ def paged_attention(config: AttentionConfig, query, key_pages, value_pages, leng
     kv_lengths = lengths.astype(jnp.int32)[:, None]  # the kernels clamp them into the pages
     out, lse = _ffi.decode(config, query, key_pages, value_pages, kv_lengths, page_indices, splits_for)
     return out, lse.transpose(0, 2, 1)
+
+
+def _widest_head_dim(call: Call) -> int:
+    """The kernels run query/key and value head dims that differ at the wider of the two, the
+    other side zero-padded: zero columns of Q and K change no logit, zero columns of V give output
+    columns that are sliced off (and gradients that are)."""
+    return max(call.query.shape[-1], call.value.shape[-1])
 
 
 def _pad_head_dim(x, size: int):
@@ -135,25 +142,24 @@ def _kernel_masks(q, k, q_len, kv_len, q_seg, kv_seg) -> KernelMasks:
 def attention(call: Call) -> tuple[jax.Array, jax.Array]:
     """(output [B, T, N, H], lse [B, T, N] float32) from the CUDA kernels."""
     call = mask_as_segments(call)
-    head_dim = call.query.shape[-1]
-    padded = kernel_head_dim(head_dim)
+    padded = kernel_head_dim(_widest_head_dim(call))
     q, k, v = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value))
     bias, mask = _bias_arrays(call)
     out, lse = _flash(call.config, q, k, v, bias, mask, *_mask_arrays(call))
-    return out[..., :head_dim], lse
+    return out[..., : call.value.shape[-1]], lse
 
 
 def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) of a call from the kernels' backward, given an output and lse [B, T, N] that
     need not be this call's own: ring attention passes the final ones of the whole sequence."""
     call = mask_as_segments(call)
-    head_dim = call.query.shape[-1]
-    padded = kernel_head_dim(head_dim)
+    padded = kernel_head_dim(_widest_head_dim(call))
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))
     masks = _mask_arrays(call)
     residuals = (q, k, v, *_bias_arrays(call), None, out, lse.transpose(0, 2, 1), masks, _kernel_masks(q, k, *masks))
-    grads = _flash_bwd(call.config, residuals, (d_out, d_lse))[:3]
-    return tuple(g[..., :head_dim] for g in grads)
+    dq, dk, dv = _flash_bwd(call.config, residuals, (d_out, d_lse))[:3]
+    head_dim, value_dim = call.query.shape[-1], call.value.shape[-1]
+    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_dim]
 
 
 def _forward(config: AttentionConfig, q, k, v, bias, mask, masks):

@@ -138,4 +138,4 @@ def attention(call: Call) -> tuple[jax.Array, jax.Array]:
                              rows_see_keys=_every_row_sees_a_key(call))  # fmt: skip
     per_group = jax.vmap(core, in_axes=(3, None, None, bias_axis, mask_axis, None), out_axes=(3, 2))
     out, lse = per_group(q.reshape(b, t, kv_heads, group, h), k, v, bias, mask, _band(call))
-    return out.reshape(b, t, n, h), lse.reshape(b, n, t).transpose(0, 2, 1)
+    return out.reshape(b, t, n, v.shape[3]), lse.reshape(b, n, t).transpose(0, 2, 1)

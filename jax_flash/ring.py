@@ -87,6 +87,9 @@ def ring_attention(
             f"got T={query.shape[1]}, S={key.shape[1]}"
         )
     _validate(query, key, value, is_causal, scale, implementation)  # as jax_flash.attention does
+    if value.shape[-1] != query.shape[-1]:
+        raise ValueError(f"ring_attention takes a value head dim equal to the query's ({query.shape[-1]}), "
+                         f"got {value.shape[-1]}")  # fmt: skip
     static = _Static(axis_name, _axis_size(axis_name), is_causal, scale, implementation)
     return _ring(static, query, key, value)
 

@@ -200,7 +200,11 @@ def _forward_q_block(cfg, plan, ops, iq):
 
     # zeros_like, not zeros: the carries then take q's sharding. Inside shard_map they vary over the
     # mesh axes of every operand, as the loop's outputs do.
-    o0 = zeros_like(q_block, acc).transpose(0, 2, 3, 1, 4)  # [B, K, G, bq, H]
+    hv = ops.v.shape[3]
+    q_zeros = zeros_like(q_block, acc)
+    if hv != h:  # the value head dim: zeros of q_block's split, with Hv columns
+        q_zeros = jnp.broadcast_to(q_zeros[..., :1] if h else q_zeros.sum(-1, keepdims=True), q_zeros.shape[:4] + (hv,))
+    o0 = q_zeros.transpose(0, 2, 3, 1, 4)  # [B, K, G, bq, Hv]
     l0 = o0.sum(-1)  # zeros of the row statistics' shape (a sum, not o0[..., 0]: H may be 0)
     init = vary_like((l0 - jnp.inf, l0, o0), *_present(ops))
     lo, hi = _key_block_range(cfg, plan, iq)
@@ -209,7 +213,7 @@ def _forward_q_block(cfg, plan, ops, iq):
     l_safe = jnp.where(empty, 1.0, l)
     out = o / l_safe[..., None]
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, plan.block_q, kv_heads * g, h)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, plan.block_q, kv_heads * g, hv)
     lse = lse.transpose(0, 3, 1, 2).reshape(b, plan.block_q, kv_heads * g)
     return out.astype(ops.q.dtype), lse
 
@@ -249,7 +253,7 @@ def _backward(cfg, plan, ops, out, lse, d_out, d_lse):
     delta = grouped_rows(delta, 0.0)
     lse = grouped_rows(lse.astype(acc), -jnp.inf)
     lse = jnp.where(lse == -jnp.inf, 0.0, lse)  # fully masked rows: every p is exp(-inf) = 0
-    d_out = _pad_axis(d_out, 1, tp).reshape(b, tp, kv_heads, g, h)
+    d_out = _pad_axis(d_out, 1, tp).reshape(b, tp, kv_heads, g, d_out.shape[3])  # [.., Hv]
 
     def q_block_step(carry, iq):
         rows = lambda x: lax.dynamic_slice_in_dim(x, iq * plan.block_q, plan.block_q, axis=1)  # noqa: E731
@@ -293,8 +297,8 @@ def _backward(cfg, plan, ops, out, lse, d_out, d_lse):
     # the bias, which the updates in the loop carry. Inside shard_map they vary over the mesh axes
     # of every input (with one kv head and the query heads split, each device's dK is a part).
     dbias0 = None if ops.bias is None else vary_like((zeros_like(ops.bias, acc),), *inputs)[0]
-    (zeros_kv,) = vary_like((zeros_like(ops.k, acc),), *inputs)
-    (dk, dv, dbias), dq = lax.scan(q_block_step, (zeros_kv, zeros_kv, dbias0),
+    zeros_k, zeros_v = vary_like((zeros_like(ops.k, acc), zeros_like(ops.v, acc)), *inputs)
+    (dk, dv, dbias), dq = lax.scan(q_block_step, (zeros_k, zeros_v, dbias0),
                                    jnp.arange(plan.num_q_blocks))  # fmt: skip
     return _unblock(dq, t).astype(dtype), dk, dv, dbias
 

@@ -51,7 +51,7 @@ def attention(q, k, v, bias=None, mask=None, *, scale=None, softcap=None, **mask
     e = jnp.exp(logits - m)
     total = e.sum(-1, keepdims=True)
     p = e / jnp.where(total == 0, 1.0, total)
-    out = jnp.einsum("bnts,bsnh->btnh", p, v)
+    out = jnp.einsum("bnts,bsnd->btnd", p, v)  # the value head dim d may differ from h
     lse = jnp.where(total[..., 0] == 0, -jnp.inf, jnp.log(jnp.where(total[..., 0] == 0, 1.0, total[..., 0])) + m[..., 0])
     return out, lse.transpose(0, 2, 1)
 

@@ -104,7 +104,7 @@ def test_bad_arguments_raise_naming_the_argument(kwargs, error, name):
         (((2, 8, 4, 16), (2, 8, 3, 16), (2, 8, 3, 16)), ValueError, "multiple"),
         (((2, 8, 4, 16), (2, 8, 2, 32), (2, 8, 2, 32)), ValueError, "head dim"),
         (((2, 8, 4, 16), (3, 8, 2, 16), (3, 8, 2, 16)), ValueError, "batch"),
-        (((2, 8, 4, 16), (2, 8, 2, 16), (2, 9, 2, 16)), ValueError, "value shape"),
+        (((2, 8, 4, 16), (2, 8, 2, 16), (2, 9, 2, 16)), ValueError, "value must have key.s batch, length and heads"),
         (((8, 4, 16), (2, 8, 2, 16), (2, 8, 2, 16)), ValueError, "same rank"),
         (((4, 16), (4, 16), (4, 16)), ValueError, "query must have shape"),
         (((2, 8, 4, 16), (2, 8, 0, 16), (2, 8, 0, 16)), ValueError, "at least one head"),
