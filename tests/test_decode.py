@@ -190,3 +190,10 @@ def test_sharded_decode_calls_are_partitioned(targets, axis_type):
         assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), out.ndim)
         assert reference.rel_error(out, jax.jit(fn)(*args)) < 1e-2  # the stand-in's blocks follow the shard shapes
     assert {t[0] for t in targets} == {"jax_flash_decode"}
+
+
+def test_auto_mode_takes_the_decode_kernels(targets):
+    """implementation=None on a (faked) GPU: a decode step goes to the decode target."""
+    q, k, v, lengths = _decode_problem(rng_for("decode-auto"), t=1)
+    jax_flash.attention(q, k, v, key_value_seq_lengths=lengths, is_causal=True)
+    assert [c[0] for c in targets] == ["jax_flash_decode"]
