@@ -15,7 +15,7 @@ import os
 
 import jax
 
-from jax_flash import _contract
+from jax_flash import _contract, _env
 
 MAX_QUERIES = 16  # the decode kernels take calls of at most this many queries
 TILE_ROWS = _contract.DECODE_TILE_ROWS
@@ -34,10 +34,7 @@ SPLITS_ENV = "JAX_FLASH_DECODE_SPLITS"
 
 
 def enabled() -> bool:
-    value = os.environ.get(DECODE_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{DECODE_ENV} must be '0' or '1', got {value!r}")
-    return value == "1"
+    return _env.flag(DECODE_ENV, default=True)
 
 
 def row_tiles(queries: int, heads: int, kv_heads: int) -> int:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _batching, _contract, _decode, _partition
+from jax_flash import _batching, _contract, _decode, _env, _partition
 from jax_flash._masks import KernelMasks
 
 
@@ -93,10 +93,7 @@ DETERMINISTIC_ENV = "JAX_FLASH_DETERMINISTIC"
 
 
 def deterministic() -> bool:
-    value = os.environ.get(DETERMINISTIC_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{DETERMINISTIC_ENV} must be '0' or '1', got {value!r}")
-    return value == "1"
+    return _env.flag(DETERMINISTIC_ENV, default=False)
 
 
 def call_kernel(target: str, result_types, operands, attrs: dict):
@@ -169,12 +166,12 @@ def forward(config, q, k, v, masks: KernelMasks, bias, mask):
     return _partition.vary_like(folded(q, k, v, bias, mask, *masks), q, k, v)
 
 
-def decode(config, q, k, v, kv_lengths, page_table, splits_for):
+def decode(config, q, k, v, kv_lengths, page_table):
     """(out [B, T, N, H], lse [B, N, T] float32) from the split-KV decode kernels: k, v a dense
     cache [B, S, K, H], or with a page table [B, max_pages] (else [B, 0]) a pool of pages
     [P, page_size, K, H]; kv_lengths int32 [B, 1] (clamped into [0, S] by the kernels) or [B, 0].
-    `splits_for(batch, queries, heads, kv_heads, seqlen_k)` gives the number of splits of each
-    (device's) call. Under vmap, one call (_batching.fold_decode)."""
+    Each (device's) call cuts its keys into `_decode.splits` splits. Under vmap, one call
+    (_batching.fold_decode)."""
     register_targets()
     attrs = _window_attrs(config)
     paged = page_table.shape[1] > 0
@@ -183,7 +180,7 @@ def decode(config, q, k, v, kv_lengths, page_table, splits_for):
         def kernel(q, k, v, kv_lengths, page_table):
             b, t, n, h = q.shape
             seqlen_k = k.shape[1] * page_table.shape[1] if paged else k.shape[1]
-            splits = splits_for(b, t, n, k.shape[2], seqlen_k)
+            splits = _decode.splits(b, t, n, k.shape[2], seqlen_k, h)
             scratch = (splits, b, t, n) if splits > 1 else (0,)
             tiles = k.shape[2] * _decode.row_tiles(t, n, k.shape[2])
             result_types = (

@@ -86,9 +86,8 @@ def paged_reason(call: Call, page_size: int) -> str | None:
 def paged_attention(config: AttentionConfig, query, key_pages, value_pages, lengths, page_indices):
     """(output [B, T, N, H], lse [B, T, N]) from the decode kernels reading the pages in place,
     for a call that `paged_reason` accepts. Forward only."""
-    splits_for = functools.partial(_decode.splits, head_dim=query.shape[-1])
     kv_lengths = lengths.astype(jnp.int32)[:, None]  # the kernels clamp them into the pages
-    out, lse = _ffi.decode(config, query, key_pages, value_pages, kv_lengths, page_indices, splits_for)
+    out, lse = _ffi.decode(config, query, key_pages, value_pages, kv_lengths, page_indices)
     return out, lse.transpose(0, 2, 1)
 
 
@@ -166,14 +165,13 @@ def _forward(config: AttentionConfig, q, k, v, bias, mask, masks):
     """(out, lse [B, N, T], the kernels' mask operands), from the decode kernels where they take
     the call (_decode.py), else the forward kernels."""
     kernel = _kernel_masks(q, k, *masks)
-    b, t, n, h = q.shape
+    b, t, n, _ = q.shape
     q_len, kv_len, q_seg, _ = masks
     beyond_key_lengths = bias.size > 0 or mask.size > 0 or q_len is not None or q_seg is not None
     if _decode.takes(b, t, n, k.shape[2], masks_beyond_key_lengths=beyond_key_lengths):
         kv_lengths = jnp.zeros((b, 0), jnp.int32) if kv_len is None else kv_len.astype(jnp.int32)[:, None]
-        splits_for = functools.partial(_decode.splits, head_dim=h)
         no_pages = jnp.zeros((b, 0), jnp.int32)
-        return *_ffi.decode(config, q, k, v, kv_lengths, no_pages, splits_for), kernel
+        return *_ffi.decode(config, q, k, v, kv_lengths, no_pages), kernel
     return *_ffi.forward(config, q, k, v, kernel, bias, mask), kernel
 
 

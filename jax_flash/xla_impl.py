@@ -202,8 +202,8 @@ def _forward_q_block(cfg, plan, ops, iq):
     # mesh axes of every operand, as the loop's outputs do.
     hv = ops.v.shape[3]
     q_zeros = zeros_like(q_block, acc)
-    if hv != h:  # the value head dim: zeros of q_block's split, with Hv columns
-        q_zeros = jnp.broadcast_to(q_zeros[..., :1] if h else q_zeros.sum(-1, keepdims=True), q_zeros.shape[:4] + (hv,))
+    if hv != h:  # the value head dim: zeros of q_block's split, with Hv columns (a sum: H may be 0)
+        q_zeros = jnp.broadcast_to(q_zeros.sum(-1, keepdims=True), q_zeros.shape[:4] + (hv,))
     o0 = q_zeros.transpose(0, 2, 3, 1, 4)  # [B, K, G, bq, Hv]
     l0 = o0.sum(-1)  # zeros of the row statistics' shape (a sum, not o0[..., 0]: H may be 0)
     init = vary_like((l0 - jnp.inf, l0, o0), *_present(ops))

@@ -18,7 +18,7 @@ struct PackedRows {
   // The grid's y runs over kv heads x tiles of each.
   __device__ static PackedRows of_cta(const FwdParams& p) {
     const int group = p.heads / p.kv_heads, count = p.seqlen_q * group;
-    const int tiles = (count + kDecodeTileRows - 1) / kDecodeTileRows;
+    const int tiles = decode_row_tiles(p.seqlen_q, p.heads, p.kv_heads);
     return {group, count, int(blockIdx.y % tiles) * kDecodeTileRows, int(blockIdx.y / tiles)};
   }
   __device__ __forceinline__ bool valid(int row) const { return first + row < count; }

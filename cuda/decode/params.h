@@ -4,6 +4,8 @@
 // to the forward kernels).
 #pragma once
 
+#include <cuda_runtime.h>  // __host__ __device__
+
 #include "common/params.h"
 
 namespace jax_flash {
@@ -14,6 +16,12 @@ constexpr int kMaxDecodeSplits = contract::kMaxDecodeSplits;
 constexpr int kDecodeTileRows = contract::kDecodeTileRows;
 // Keys a warp reads per step; pages are whole multiples of it, so that no step spans two pages.
 constexpr int kDecodeBlockKeys = contract::kDecodeBlockKeys;
+
+// 16-row tiles of one kv head's packed rows (its queries x query heads); the grid's y runs over
+// kv heads x these.
+__host__ __device__ inline int decode_row_tiles(int seqlen_q, int heads, int kv_heads) {
+  return (seqlen_q * (heads / kv_heads) + kDecodeTileRows - 1) / kDecodeTileRows;
+}
 
 struct DecodeParams : FwdParams {
   // [B] keys of each batch row, clamped into [0, seqlen_k] (nullptr: seqlen_k). Read directly, so

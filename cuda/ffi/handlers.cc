@@ -331,8 +331,7 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                                        shape_string(o_partial->dimensions()) + " and " +
                                        shape_string(lse_partial->dimensions()));
   }
-  const int64_t tiles = int64_t(p.kv_heads) * ((int64_t(p.seqlen_q) * (p.heads / p.kv_heads) + kDecodeTileRows - 1) /
-                                               kDecodeTileRows);
+  const int64_t tiles = int64_t(p.kv_heads) * decode_row_tiles(p.seqlen_q, p.heads, p.kv_heads);
   if (splits > 1 && int64_t(split_tickets->element_count()) != p.batch * tiles) {
     return ffi::Error::InvalidArgument("jax_flash: the split tickets must be [B, K * 16-row tiles] = [" +
                                        std::to_string(p.batch) + ", " + std::to_string(tiles) + "], got " +

@@ -15,8 +15,7 @@ namespace jax_flash {
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   using Cfg = decode::Config<T, kHeadDim>;
-  const int64_t rows = int64_t(p.seqlen_q) * (p.heads / p.kv_heads);
-  const int64_t tiles = int64_t(p.kv_heads) * ((rows + kDecodeTileRows - 1) / kDecodeTileRows);
+  const int64_t tiles = int64_t(p.kv_heads) * decode_row_tiles(p.seqlen_q, p.heads, p.kv_heads);
   if (tiles > kMaxGridYZ || p.batch > kMaxGridYZ || p.splits < 1 || p.splits > kMaxDecodeSplits) {
     return cudaErrorInvalidConfiguration;  // cuda_impl.py's decode rule keeps calls inside these
   }
