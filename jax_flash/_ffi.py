@@ -14,6 +14,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxlib import xla_client
 
 from jax_flash import _batching, _contract, _decode, _env, _partition
 from jax_flash._masks import KernelMasks
@@ -53,9 +54,13 @@ def register_targets() -> tuple[str, ...]:
     module = extension()
     if module is None:
         return ()
+    # Every handler launches the same kernels for the same shapes and attributes (no host work that
+    # reads device data), so XLA may capture it into a CUDA graph: a decode step is launch-bound.
+    # jax registers a handler with the traits it is given here (none by default).
+    traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
     names = []
     for name, capsule in module.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA", traits=traits)
         names.append(name)
     return tuple(names)
 

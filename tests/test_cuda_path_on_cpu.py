@@ -3,9 +3,12 @@
 operands and their chunk summaries, the custom_vjp, vmap folding, partitioning) and must give what
 the xla path gives. What the kernels compute is tested on GPUs (test_cuda*.py)."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import pytest
+from jaxlib import xla_client
 
 import jax_flash
 from jax_flash import _decode, _ffi, dense_impl
@@ -227,3 +230,21 @@ def test_vmap_with_a_broadcast_bias(kernel_calls, bias_axes):
         ref = jax.grad(_loss("xla", kw), argnums=(0, 1, 2, 3))(*args)
         for j, (g, r) in enumerate(zip(mine, ref)):
             assert reference.rel_error(g[i], r) < 2e-2, (i, j)
+
+
+def test_handlers_are_registered_for_cuda_graphs(monkeypatch):
+    """Every handler is registered for the CUDA platform as command-buffer compatible: jax passes
+    XLA only the traits given at registration, and without this one XLA launches each of our calls
+    from the host instead of capturing the step into a CUDA graph."""
+    registered = []
+    module = types.SimpleNamespace(registrations=lambda: {"jax_flash_fwd": object(), "jax_flash_decode": object()})
+    monkeypatch.setattr(_ffi, "extension", lambda: module)
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda *a, **kw: registered.append((a, kw)))
+    _ffi.register_targets.cache_clear()
+    try:
+        assert _ffi.register_targets() == ("jax_flash_fwd", "jax_flash_decode")
+    finally:
+        _ffi.register_targets.cache_clear()
+    compatible = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+    assert [(a[0], kw.get("platform"), kw.get("traits")) for a, kw in registered] == [
+        ("jax_flash_fwd", "CUDA", compatible), ("jax_flash_decode", "CUDA", compatible)]  # fmt: skip
