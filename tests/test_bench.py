@@ -2,9 +2,10 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import jax_flash
-from jax_flash.bench import cli, timing
+from jax_flash.bench import cli, decode, timing
 from jax_flash.bench import masks as bench_masks
 
 
@@ -103,3 +104,19 @@ def test_decode_benchmark(tmp_path, capsys):
                                                                      (4, 2048, 4)}  # fmt: skip
     out = capsys.readouterr().out
     assert "| 4 | 2048 | 4 |" in out and "xla / jax_flash" in out and png.stat().st_size > 10_000
+
+
+def test_decode_dispatch_spans():
+    """The GPU time of each dispatch in a profiler trace: from its first kernel to the end of its
+    last, the gaps between its kernels counted, host events and other processes ignored; the
+    dispatches told apart by the idle time between them."""
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]  # fmt: skip
+    kernel = lambda ts, dur, pid=1: {"ph": "X", "pid": pid, "ts": ts, "dur": dur, "name": "k"}  # noqa: E731
+    first = [kernel(1000, 10), kernel(1012, 5), kernel(1030, 3)]  # 1000 -> 1033
+    second = [kernel(200_000, 7), kernel(200_009, 1)]  # 200000 -> 200010
+    host = [kernel(500, 100_000, pid=2)]
+    events = meta + second + host + first  # in any order
+    assert decode.dispatch_spans(events, 2) == pytest.approx([33e-6, 10e-6])
+    with pytest.raises(RuntimeError, match="2 dispatches, not 3"):
+        decode.dispatch_spans(events, 3)

@@ -32,7 +32,9 @@ def main(argv=None) -> list[dict]:
     if args.decode:
         rows = decode.run()
         print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {decode.HEADS} / "
-              f"{decode.KV_HEADS} heads, d = {decode.HEAD_DIM}, cold L2, HBM fraction of 3.35 TB/s")
+              f"{decode.KV_HEADS} heads, d = {decode.HEAD_DIM}, cold L2, time per call "
+              f"({'GPU time from the profiler' if jax.default_backend() == 'gpu' else 'wall clock'}), "
+              "HBM fraction of 3.35 TB/s")
         print(decode.table(rows))
         if args.plot:
             decode.plot(rows, args.plot)

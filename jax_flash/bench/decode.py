@@ -12,16 +12,23 @@ Decode is memory-bound: the figure is the K and V bytes read over the time, as a
 H100's 3.35 TB/s. Two things would distort it and are kept out:
   - the L2 cache (50 MB on an H100), which holds a small cache between calls: the calls cycle
     through copies of the cache, as many as make 200 MB;
-  - the host's dispatch of each call: 32 or more calls (other queries, the copies) run inside one
-    jitted function, so that one dispatch covers them all (the launch gaps on the GPU between
-    kernels are counted, as a generation step has them).
+  - the host: 32 or more calls (other queries, the copies) run inside one jitted function, and on
+    a GPU the time is the device's, from the profiler: the span from the dispatch's first kernel
+    to its last, over the calls. The gaps between kernels on the GPU count (a generation step has
+    them); the host's work before and between launches does not. At small caches that host work
+    (XLA launching each call, or updating its CUDA graph) takes longer than the kernels, so a wall
+    clock would time the host, the same for every implementation.
 Each time is the median of interleaved rounds, as in the main benchmark.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import gzip
+import json
 import statistics
+import tempfile
 import time
 
 import jax
@@ -90,15 +97,51 @@ def _over_copies(attn):
     return jax.jit(run)
 
 
-def _seconds(fn, args) -> float:
+def _wall_seconds(fn, args) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     return time.perf_counter() - start
 
 
+DISPATCH_GAP_US = 20_000  # idle GPU time that separates two timed dispatches in a trace
+
+
+def dispatch_spans(trace_events: list[dict], dispatches: int) -> list[float]:
+    """Seconds from the first GPU event of each dispatch to the end of its last, in a profiler
+    trace (Chrome trace events) of `dispatches` dispatches run one after another with the GPU idle
+    in between."""
+    gpu = {e["pid"] for e in trace_events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in e["args"]["name"]}  # fmt: skip
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in trace_events if e.get("ph") == "X" and e["pid"] in gpu)
+    groups = []  # [start, end] of each dispatch, split where the GPU idled
+    for start, end in spans:
+        if groups and start - groups[-1][1] < DISPATCH_GAP_US:
+            groups[-1][1] = max(groups[-1][1], end)
+        else:
+            groups.append([start, end])
+    if len(groups) != dispatches:
+        raise RuntimeError(f"the trace holds {len(groups)} dispatches, not {dispatches}")
+    return [(end - start) * 1e-6 for start, end in groups]
+
+
+def _device_seconds(dispatches: list) -> list[float]:
+    """Runs each dispatch (a no-argument function) once, 0.1 s apart, under the profiler, and
+    returns the GPU time of each (dispatch_spans)."""
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            for dispatch in dispatches:
+                time.sleep(0.1)
+                jax.block_until_ready(dispatch())
+        (path,) = glob.glob(f"{folder}/**/perfetto_trace.json.gz", recursive=True)
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    return dispatch_spans(trace["traceEvents"] if isinstance(trace, dict) else trace, len(dispatches))
+
+
 def measure(shape: DecodeShape, dtype, impls: dict, rounds: int = 6, calls_per_dispatch: int = CALLS_PER_DISPATCH,
             ) -> dict[str, float | None]:  # fmt: skip
-    """name -> seconds per decode call (None where the implementation fails on this shape)."""
+    """name -> seconds per decode call (None where the implementation fails on this shape): the
+    GPU's time on a GPU, else the wall clock's."""
     copies = max(1, min(64, -(-COLD_BYTES // shape.kv_bytes(dtype))))
     query_sets = -(-calls_per_dispatch // copies)
     keys = jax.random.split(jax.random.key(shape.batch * 31 + shape.cache + shape.queries), 2 * copies + query_sets)
@@ -118,11 +161,15 @@ def measure(shape: DecodeShape, dtype, impls: dict, rounds: int = 6, calls_per_d
             runs[name] = fn
         except Exception:  # unsupported here: a gap in the table, not a crash
             runs[name] = None
+    order = [name for round_ in range(rounds) for name in (list(impls) if round_ % 2 == 0 else list(impls)[::-1])
+             if runs[name] is not None]  # fmt: skip
+    if jax.default_backend() == "gpu":
+        seconds = _device_seconds([lambda fn=runs[name]: fn(*args) for name in order])
+    else:
+        seconds = [_wall_seconds(runs[name], args) for name in order]
     samples = {name: [] for name in impls}
-    for round_ in range(rounds):
-        for name in list(impls) if round_ % 2 == 0 else list(impls)[::-1]:
-            if runs[name] is not None:
-                samples[name].append(_seconds(runs[name], args) / calls)
+    for name, s in zip(order, seconds):
+        samples[name].append(s / calls)
     return {name: statistics.median(s) if s else None for name, s in samples.items()}
 
 
