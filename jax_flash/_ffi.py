@@ -187,13 +187,11 @@ def decode(config, q, k, v, kv_lengths, page_table):
             seqlen_k = k.shape[1] * page_table.shape[1] if paged else k.shape[1]
             splits = _decode.splits(b, t, n, k.shape[2], seqlen_k, h)
             scratch = (splits, b, t, n) if splits > 1 else (0,)
-            tiles = k.shape[2] * _decode.row_tiles(t, n, k.shape[2])
             result_types = (
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((b, n, t), jnp.float32),
                 jax.ShapeDtypeStruct(scratch + (h,) if splits > 1 else scratch, jnp.float32),  # each split's output
                 jax.ShapeDtypeStruct(scratch, jnp.float32),  # and log-sum-exp
-                jax.ShapeDtypeStruct((b, tiles) if splits > 1 else (0,), jnp.int32),  # a ticket counter a row tile
             )
             out, lse, *_ = call_kernel("jax_flash_decode", result_types, (q, k, v, kv_lengths, page_table),
                                        dict(attrs, splits=np.int32(splits)))  # fmt: skip

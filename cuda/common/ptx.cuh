@@ -206,4 +206,31 @@ __device__ __forceinline__ float tanh(float x) {
   return y;
 }
 
+// Reductions over the 32 lanes of a warp; every lane gets the result.
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, mask));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask /= 2) x += __shfl_xor_sync(0xffffffff, x, mask);
+  return x;
+}
+
+// Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization
+// attribute may start once every CTA of the kernel before it has called allow_dependent_grids
+// (or exited), and must call wait_for_prior_grids before it reads what that kernel wrote. Both
+// are no-ops on older GPUs, where the next kernel starts after the previous one anyway.
+__device__ __forceinline__ void allow_dependent_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 }  // namespace jax_flash::ptx

@@ -37,10 +37,8 @@ struct Config {
   // conflicts), reusing the rings.
   static constexpr int kMergeRowFloats = kHeadDim + 8;
   static constexpr int kMergeBytes = kWarps * kDecodeTileRows * (kMergeRowFloats + 2) * 4;
-  // The combine step's flag, weights and row lse (combine_splits.cuh), after the merge.
-  static constexpr int kCombineBytes = (32 + kDecodeTileRows * (kMaxDecodeSplits + 1)) * 4;
   static constexpr int kAreaBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
-  static constexpr int kSmemBytes = (kAreaBytes > kCombineBytes ? kAreaBytes : kCombineBytes) + kQBytes;
+  static constexpr int kSmemBytes = kAreaBytes + kQBytes;
 };
 
 }  // namespace jax_flash::decode

@@ -10,7 +10,8 @@
 
 namespace jax_flash {
 
-// Splits of one row tile's keys over CTAs, at most: the combine step keeps a weight per split.
+// Splits of one row tile's keys over CTAs, at most: the combine kernel keeps a weight per split
+// (kMaxDecodeSplits / 32 a lane).
 constexpr int kMaxDecodeSplits = contract::kMaxDecodeSplits;
 // Query rows of one decode CTA (one m16 tile): the (query, head of the group) pairs of a kv head.
 constexpr int kDecodeTileRows = contract::kDecodeTileRows;
@@ -28,12 +29,10 @@ struct DecodeParams : FwdParams {
   // that a step passes its lengths as they are: no kernel builds FwdParams::seqlens for it.
   const int* kv_lengths;
   // With splits > 1, each split's output (normalised over its keys) and log-sum-exp, float32:
-  // o_partial [splits, B, T, N, H], lse_partial [splits, B, T, N]; and a ticket counter per row
-  // tile [B, grid y], zeroed by the handler: the tile's last split to finish combines them
-  // (combine_splits.cuh).
+  // o_partial [splits, B, T, N, H], lse_partial [splits, B, T, N], which the combine kernel
+  // merges (combine_kernel.cuh).
   float* o_partial;
   float* lse_partial;
-  int* split_tickets;
   int splits;
   // A paged cache (nullptr: dense). k and v are then pools [pool_pages, page_size, K, H], and
   // key s of batch row b is in page page_table[b * max_pages + s / page_size] (clamped into the

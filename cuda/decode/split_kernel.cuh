@@ -2,8 +2,8 @@
 // batch row). Each warp streams every kWarps-th block of the split through its own cp.async ring
 // (warp_ring.cuh), computes S = Q K^T and O += P V with mma.sync, and keeps an online softmax
 // (common/online_softmax.cuh); the warps merge at the end (tile_output.cuh), and with several
-// splits the last one of a tile to finish merges them (combine_splits.cuh). Work follows the lengths: a split covers a share
-// of the keys its rows can see, not of the cache buffer.
+// splits the combine kernel merges the splits' parts (combine_kernel.cuh). Work follows the
+// lengths: a split covers a share of the keys its rows can see, not of the cache buffer.
 #pragma once
 
 #include <cmath>
@@ -13,7 +13,6 @@
 #include "common/online_softmax.cuh"
 #include "common/ptx.cuh"
 #include "common/tile.cuh"
-#include "decode/combine_splits.cuh"
 #include "decode/config.cuh"
 #include "decode/kv_source.cuh"
 #include "decode/packed_rows.cuh"
@@ -44,6 +43,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) split_kernel(const DecodeParams
   constexpr int kKSteps = kHeadDim / 16, kDTiles = kHeadDim / 8;
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ __align__(128) char smem[];
+  ptx::allow_dependent_grids();  // the combine kernel's CTAs may start now and wait for ours
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int batch = blockIdx.z;
   const PackedRows rows = PackedRows::of_cta(p);
@@ -152,7 +152,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) split_kernel(const DecodeParams
   }
   ptx::cp_async_wait<0>();
   merge_and_store<Cfg>(p, rows, batch, blockIdx.x, softmax, acc_o, logits.unit, smem);
-  if (p.splits > 1) combine_if_last<Cfg>(p, rows, batch, smem);
 }
 
 }  // namespace jax_flash::decode

@@ -1,7 +1,7 @@
 // The end of a decode CTA: its warps' softmax states and outputs (each over its own blocks of
 // keys) merge through shared memory into the tile's result over the split, which is stored as
 // the call's output and log-sum-exp (one split) or as this split's float32 part for the combine
-// step (combine_splits.cuh).
+// kernel (combine_kernel.cuh).
 #pragma once
 
 #include <cmath>

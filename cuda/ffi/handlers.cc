@@ -278,12 +278,11 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 
 // Decode: q [B, T, N, H] against a dense cache k, v [B, S, K, H] or, with a page table
 // [B, max_pages], a pool of pages [P, page_size, K, H]; the split scratch [splits, B, T, N, H] and
-// [splits, B, T, N] float32 and the tickets [B, K * row tiles] (each empty with one split).
+// [splits, B, T, N] float32 (each empty with one split).
 ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> page_table,
                        ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                        ffi::Result<ffi::Buffer<ffi::F32>> o_partial, ffi::Result<ffi::Buffer<ffi::F32>> lse_partial,
-                       ffi::Result<ffi::Buffer<ffi::S32>> split_tickets,
                        float scale, float softcap, int32_t window_left, int32_t window_right, int32_t splits) {
   DecodeParams p{};
   DType dtype;
@@ -331,15 +330,8 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                                        shape_string(o_partial->dimensions()) + " and " +
                                        shape_string(lse_partial->dimensions()));
   }
-  const int64_t tiles = int64_t(p.kv_heads) * decode_row_tiles(p.seqlen_q, p.heads, p.kv_heads);
-  if (splits > 1 && int64_t(split_tickets->element_count()) != p.batch * tiles) {
-    return ffi::Error::InvalidArgument("jax_flash: the split tickets must be [B, K * 16-row tiles] = [" +
-                                       std::to_string(p.batch) + ", " + std::to_string(tiles) + "], got " +
-                                       shape_string(split_tickets->dimensions()));
-  }
   p.o_partial = o_partial->typed_data();
   p.lse_partial = lse_partial->typed_data();
-  p.split_tickets = split_tickets->typed_data();
   return launch_status(run_decode(dtype, p, stream), "decode");
 }
 
@@ -414,7 +406,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_decode_handler, jax_flash::decode_impl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [B, N, T]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // split outputs [splits, B, T, N, H] or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()  // split lse [splits, B, T, N] or empty
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // split tickets [B, K * row tiles] or empty
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")  // 0: none
                                   .Attr<int32_t>("window_left")

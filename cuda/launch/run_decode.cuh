@@ -1,10 +1,11 @@
-// Launcher of the decode kernel for one (element type, head dim, variant): the split kernel over
-// (splits, kv heads x row tiles, batch), which also combines the splits.
+// Launcher of the decode kernels for one (element type, head dim, variant): the split kernel over
+// (splits, kv heads x row tiles, batch) and, with several splits, the combine kernel after it.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include "common/grid.cuh"
+#include "decode/combine_kernel.cuh"
 #include "decode/config.cuh"
 #include "decode/params.h"
 #include "decode/split_kernel.cuh"
@@ -12,21 +13,46 @@
 
 namespace jax_flash {
 
+// Whether the current GPU takes programmatic dependent launches (sm_90 on).
+inline bool dependent_launch_supported() {
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+}
+
+// The combine kernel, as a programmatic dependent launch where the GPU has them: its launch
+// overlaps the split kernel, which is most of its cost at decode sizes (decode D5).
+template <typename T, int kHeadDim>
+cudaError_t launch_combine(const DecodeParams& p, cudaStream_t stream) {
+  const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(unsigned((rows + decode::kCombineWarps - 1) / decode::kCombineWarps));
+  config.blockDim = dim3(decode::kCombineWarps * 32);
+  config.stream = stream;
+  cudaLaunchAttribute dependent{};
+  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent.val.programmaticStreamSerializationAllowed = 1;
+  if (dependent_launch_supported()) {
+    config.attrs = &dependent;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, decode::combine_kernel<T, kHeadDim>, p);
+}
+
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   using Cfg = decode::Config<T, kHeadDim>;
   const int64_t tiles = int64_t(p.kv_heads) * decode_row_tiles(p.seqlen_q, p.heads, p.kv_heads);
-  if (tiles > kMaxGridYZ || p.batch > kMaxGridYZ || p.splits < 1 || p.splits > kMaxDecodeSplits) {
+  const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads;
+  if (tiles > kMaxGridYZ || p.batch > kMaxGridYZ || p.splits < 1 || p.splits > kMaxDecodeSplits ||
+      (p.splits > 1 && (rows + decode::kCombineWarps - 1) / decode::kCombineWarps > INT32_MAX)) {
     return cudaErrorInvalidConfiguration;  // cuda_impl.py's decode rule keeps calls inside these
   }
   auto kernel = decode::split_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
-  if (p.splits > 1) {  // the tickets of the combine step
-    const size_t bytes = sizeof(int) * size_t(p.batch) * size_t(tiles);
-    if (cudaError_t e = cudaMemsetAsync(p.split_tickets, 0, bytes, stream); e != cudaSuccess) return e;
-  }
   kernel<<<dim3(p.splits, unsigned(tiles), p.batch), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || p.splits == 1) return e;
+  return launch_combine<T, kHeadDim>(p, stream);
 }
 
 }  // namespace jax_flash
