@@ -22,9 +22,9 @@ TILE_ROWS = _contract.DECODE_TILE_ROWS
 BLOCK_KEYS = _contract.DECODE_BLOCK_KEYS
 MAX_SPLITS = _contract.MAX_DECODE_SPLITS
 MAX_GRID_YZ = 65535
-# CTAs of the split rule's waves: one an SM. Two fit (96 KB of shared memory each), but on an H100
-# one CTA an SM already streams at 88% of HBM (1 x 128k: 181 us at 8 splits, 186 at 29), and each
-# split more costs the combine step a read (docs/perf/log.md, decode D2).
+# CTAs of the split rule's waves: one an SM. Two fit (96 KB of shared memory each), but one an SM
+# already streams at 88-90% of HBM, and 33 splits at 1 x 128k ran slower than 16 (docs/perf/log.md,
+# decode D2 and D7).
 CTAS_PER_SM = 1
 # "0": never the decode kernels (the forward kernels take every call, to compare the two);
 # "1" or unset: wherever `takes` says.
@@ -58,9 +58,11 @@ def sm_count() -> int:
 
 
 def splits(batch: int, queries: int, heads: int, kv_heads: int, seqlen_k: int, head_dim: int) -> int:
-    """Splits of each row tile's keys: FlashAttention's wave-efficiency rule. With enough tiles to
-    fill the GPU, one; otherwise the fewest splits whose waves of CTAS_PER_SM CTAs an SM are at
-    least 85% as full as the best count's, each warp keeping at least one block of keys."""
+    """Splits of each row tile's keys, from the wave-efficiency of CTAS_PER_SM CTAs an SM. With
+    enough tiles to fill the GPU, one. Otherwise as many as still fit one wave (every SM streams,
+    and one wave has no tail), if that wave is at least 85% as efficient as the best split
+    count's; else the fewest splits that are (FlashAttention's rule). Each warp keeps at least one
+    block of keys."""
     forced = os.environ.get(SPLITS_ENV)
     if forced:
         return max(1, min(MAX_SPLITS, int(forced)))
@@ -76,4 +78,7 @@ def splits(batch: int, queries: int, heads: int, kv_heads: int, seqlen_k: int, h
         return ctas / (math.ceil(ctas / slots) * slots)
 
     best = max(efficiency(n) for n in range(1, most + 1))
+    one_wave = min(most, slots // tiles)
+    if efficiency(one_wave) >= 0.85 * best:
+        return one_wave
     return next(n for n in range(1, most + 1) if efficiency(n) >= 0.85 * best)

@@ -38,7 +38,10 @@ def targets(monkeypatch):
 @pytest.mark.parametrize("batch,kv_heads,cache,expected", [
     (64, 8, 4096, 1),     # 512 tiles fill 132 SMs: no split
     (8, 8, 32768, 2),     # 64 tiles: 2 splits make 128 CTAs, 97% of one wave
-    (1, 8, 131072, 15),   # 8 tiles: the fewest splits within 85% of a full wave
+    (1, 8, 131072, 16),   # 8 tiles: 16 splits fill one wave (128 CTAs; 15 ran 3.5% slower)
+    (4, 8, 8192, 4),      # 32 tiles: 4 splits fill one wave
+    (1, 80, 8192, 3),     # 80 tiles: one wave is 1 split, 61% full, so the fewest splits within
+                          # 85% of the best: 3, 240 CTAs, 91% of 2 waves
     (1, 8, 64, 1),        # 4 blocks of 16 keys, 4 warps: one split
 ])  # fmt: skip
 def test_split_rule(batch, kv_heads, cache, expected, monkeypatch):
