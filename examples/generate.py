@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import time
 
 import jax
@@ -91,11 +92,10 @@ def make_step(graphdef, name: str):
     return step
 
 
-def generate(graphdef, params, cfg: Config, name: str, prompt: np.ndarray, new_tokens: int, cache_length: int):
-    """Greedy continuation of `prompt` [B, P]: (tokens [B, P + new_tokens], seconds per step after
-    the prompt)."""
+def generate(step, params, cfg: Config, name: str, prompt: np.ndarray, new_tokens: int, cache_length: int):
+    """Greedy continuation of `prompt` [B, P] with `step` (make_step's for `name`): (tokens
+    [B, P + new_tokens], seconds per step after the prompt)."""
     batch, prompt_length = prompt.shape
-    step = make_step(graphdef, name)
     cache = ATTENTION[name][0](cfg, batch, cache_length)
     tokens, out = jnp.asarray(prompt[:, :1]), [prompt[:, :1]]
     start = None
@@ -117,6 +117,7 @@ def main(argv=None):
     parser.add_argument("--cache", type=int, default=4096 if on_gpu else 256, help="cache buffer length")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--train-steps", type=int, default=200 if on_gpu else 60)
+    parser.add_argument("--rounds", type=int, default=5 if on_gpu else 1, help="generations of each implementation")
     args = parser.parse_args(argv)
     chars = sorted(set(CORPUS))
     cfg = Config(vocab=len(chars), seq=128, width=512 if on_gpu else 128, heads=8 if on_gpu else 4,
@@ -129,7 +130,15 @@ def main(argv=None):
     prompt_text = "Attention lets every position"
     prompt = np.tile(np.asarray([[chars.index(c) for c in prompt_text]], np.int32), (args.batch, 1))
     new_tokens = min(args.new_tokens, args.cache - prompt.shape[1])
-    results = {name: generate(graphdef, params, cfg, name, prompt, new_tokens, args.cache) for name in ATTENTION}
+    # Interleaved rounds, each implementation first in turn; the median step time of each (a
+    # step of this small model takes about a millisecond, so its time moves from run to run).
+    steps = {name: make_step(graphdef, name) for name in ATTENTION}
+    runs = {name: [] for name in ATTENTION}
+    for round_ in range(args.rounds):
+        names = list(ATTENTION)
+        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+            runs[name].append(generate(steps[name], params, cfg, name, prompt, new_tokens, args.cache))
+    results = {name: (done[0][0], statistics.median(seconds for _, seconds in done)) for name, done in runs.items()}
     text = "".join(chars[i] for i in results["jax_flash"][0][0])
     print(f"generated: {text!r}")
     for name, (tokens, seconds) in results.items():

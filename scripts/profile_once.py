@@ -31,8 +31,9 @@ parser.add_argument("--decode", type=int, nargs=2, metavar=("BATCH", "CACHE"), d
                     help="instead: one decode step, T = --queries queries of 32 heads over 8 kv heads against a "
                     "cache of CACHE tokens (the decode kernels)")
 parser.add_argument("--queries", type=int, default=1)
-parser.add_argument("--peer", choices=["fa3_jax"], default=None,
-                    help="run FlashAttention-3's JAX binding instead (plain causal or not), to profile the peer")
+parser.add_argument("--peer", choices=["fa3_jax", "cudnn"], default=None,
+                    help="run a peer instead: FlashAttention-3's JAX binding (plain causal or not) or, with "
+                    "--decode, cuDNN through jax.nn")
 args = parser.parse_args()
 
 if args.decode:
@@ -43,8 +44,13 @@ if args.decode:
     k, v = (jax.random.normal(key, (batch, cache, 8, args.head_dim), jnp.bfloat16) for key in keys[1:])
     jax.block_until_ready(jnp.ones((64 * 2**20,), jnp.float32) * 2)
     q = jax.random.normal(keys[0], (batch, args.queries, 32, args.head_dim), jnp.bfloat16)
-    step = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation="cuda",
-                                                       key_value_seq_lengths=jnp.full((batch,), cache)))
+    lengths = jnp.full((batch,), cache)
+    if args.peer == "cudnn":
+        step = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                                                    implementation="cudnn"))
+    else:
+        step = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation="cuda",
+                                                           key_value_seq_lengths=lengths))
     jax.block_until_ready(step(q, k, v))
     raise SystemExit
 
