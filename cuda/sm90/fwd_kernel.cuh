@@ -19,8 +19,7 @@
 // below), and the consumers take turns issuing their wgmma (ping-pong), so that one's softmax runs
 // under the others' products. Key blocks are visited first to last: a causal tile then starts on
 // a whole block, whose row maxima the speculative softmax keeps for the rest of the row, and its
-// masked diagonal blocks come last (last to first, the diagonal first, was 3.4% slower at d = 128
-// causal 16k). The epilogue stores O from registers (Q's buffer already holds the next tile's Q),
+// masked diagonal blocks come last (H17). The epilogue stores O from registers (Q's buffer already holds the next tile's Q),
 // or stages it in the last key block's K stage for a TMA store (FwdConfig::kStagedStore).
 //
 // Shared-memory tiles are the layout TMA writes with the 128-byte swizzle: 64-column panels of
@@ -37,166 +36,11 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "sm90/fwd/config.cuh"
+#include "sm90/fwd/tiles.cuh"
 #include "sm90/fwd_bias_tiles.cuh"
 
 namespace jax_flash::sm90 {
-
-// kConsumers: warp groups of 64 query rows. Three (192-row tiles, as FlashAttention-3) only at
-// H = 64, where the softmax is half the work and a third group's products give it more to hide
-// under; the launcher picks them where no band masks the rows (run_sm90.cuh).
-// kWideBlocks: 176-key blocks at H = 128, 80 at H = 256 (FlashAttention-3's non-causal tiles),
-// which spread a block's fixed cost (waits, turns, row maxima) over more keys; two stages then
-// fill the shared memory. The launcher says where they pay (run_sm90.cuh).
-// kBiasTiles (kBias): the bias and mask staged by TMA a key block at a time (fwd_bias_tiles.cuh),
-// at H = 128 in a region that takes the third K/V stage's place.
-template <typename T_, int kHeadDim_, int kConsumers_ = 2, bool kWideBlocks = false, bool kBiasTiles = false>
-struct FwdConfig {
-  using T = T_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "whole 64-column panels");
-  static constexpr int kConsumers = kConsumers_;
-  static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64), "registers for three at H = 64 only");
-  static constexpr int kBlockM = 64 * kConsumers;
-  // S (64 x kBlockN fp32 per warp group) and O (64 x H) share a consumer's 232 registers.
-  static_assert(!kWideBlocks || kHeadDim == 128 || kHeadDim == 256, "wide blocks at H = 128 and 256");
-  static constexpr int kBlockN = kHeadDim <= 128 ? (kWideBlocks ? 176 : 128) : (kWideBlocks ? 80 : 64);
-  // K/V stages: three at H = 128 (225 KB, +2-10% over two); H = 256 fits two; at H = 64 four
-  // measured no faster non-causal and 13% slower causal at 16k (docs/perf/log.md).
-  static constexpr int kStages = kHeadDim == 128 && !kWideBlocks && !kBiasTiles ? 3 : 2;
-  using BiasTiles = FwdBiasTiles<kHeadDim>;
-  static_assert(!kBiasTiles || (kBlockM == BiasTiles::kBlockM && kBlockN == BiasTiles::kBlockN),
-                "the bias tiles' shape");
-  static constexpr int kBiasRegionBytes = kBiasTiles ? BiasTiles::kRegionBytes : 0;
-  // O staged in the last key block's K stage (held until the store has read it) and stored by
-  // TMA, with three stages only: with two, the held stage delayed the next tile's second block
-  // (d = 128 causal 16k and non-causal 4k 2% slower); with three, windows and packed documents
-  // gained 1-3% (docs/perf/log.md, H18). Both consumers' rows must fit in one K stage.
-  static constexpr bool kStagedStore = kStages >= 3 && kConsumers * 64 <= kBlockN;
-  // A window's first key block, cut by its left edge, visited last, so that the tile starts on a
-  // whole block (as a causal one does); in the same kernels only (at d = 64 2.5% slower, H18).
-  static constexpr bool kWindowEdgeLast = kStages >= 3;
-  static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kPanels = kHeadDim / 64;
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V tile
-  // Barriers: q_full, q_empty, four per stage, last_s_landed (the staged O store), with bias tiles
-  // two "full" and two "empty"; then, 16-byte aligned, three slots of 48 bytes holding a tile's
-  // work (FwdWork::store).
-  static constexpr int kSlotsOffset = (8 * (3 + 4 * kStages + (kBiasTiles ? 4 : 0)) + 15) / 16 * 16;
-  static constexpr int kBarrierBytes = kSlotsOffset + 3 * 48;
-  // + 1024: the dynamic shared memory is aligned up to the 1024 bytes the swizzle repeats over.
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kBiasRegionBytes + kBarrierBytes + 1024;
-  // O is computed in chunks of at most 128 columns (one wgmma n128 each; n64 at H = 192).
-  static constexpr int kOChunkCols = kHeadDim < 128 ? kHeadDim : kHeadDim % 128 == 0 ? 128 : 64;
-  static constexpr int kOChunks = kHeadDim / kOChunkCols;
-  static constexpr int kProducerRegs = kConsumers == 3 ? 32 : 40;
-  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 232;
-  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= ptx::launch_registers(kThreads),
-                "registers at launch");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
-};
-
-// The tensor maps view q/k/v as 4-d [batch, row, head, column] (innermost last) with boxes of
-// 64 columns and a whole tile's rows.
-struct FwdTensorMaps {
-  CUtensorMap q, k, v, o;  // o (boxes of a consumer's 64 rows): made only where O is staged
-  CUtensorMap bias, mask;  // made only with kBiasTiles
-};
-
-// The order of the tiles: the query blocks of one (batch, head) consecutive, the last first (the
-// longest rows under a causal band), so that the CTAs at work share the K/V of a few heads in L2
-// and the short tiles of a head come last, filling in behind the long ones.
-// With a bias or mask that all heads share (kBias), the heads of one query block come
-// consecutively instead, so that the CTAs at work share that block's rows of it in L2 (read once
-// per head, a [T, S] bias was most of the forward's DRAM traffic).
-struct FwdTile {
-  int m_block, batch, head;
-  __device__ static FwdTile from(int tile, int m_blocks, int heads, bool heads_inner) {
-    if (heads_inner) {
-      const int bm = tile / heads;
-      return {m_blocks - 1 - bm % m_blocks, bm / m_blocks, tile - bm * heads};
-    }
-    const int bh = tile / m_blocks;
-    return {m_blocks - 1 - (tile - bh * m_blocks), bh / heads, bh % heads};
-  }
-};
-
-// What one tile reads: its rows, its batch row's mask, and the key blocks n_begin up to
-// n_begin + blocks - 1. The producer derives it from the tile index and publishes it in a slot of
-// shared memory with the tile's Q (store / load): derived by the consumers too, its integer
-// divisions sat between a tile's Q and its first product, with the tensor cores idle (600-700
-// cycles a tile, 170-230 to read it; docs/perf/log.md, H19).
-// In the redo pass (kRedo) the tiles are those the first pass listed (FwdScratch).
-template <typename Cfg, Variant kVariant, bool kRedo>
-struct FwdWork {
-  static constexpr bool kMasked = kVariant != Variant::kPlain;
-  // Only the masked variant's first pass tests blocks against one_segment_keys (the kernel's
-  // cap_and_mask); in the others that range's registers made the kernels spill.
-  static constexpr bool kOneSegmentKeys = kVariant == Variant::kMasked && !kRedo;
-  int q_first, n_begin, blocks;
-  int rotation = 0;  // 1: block 0 visited last (Cfg::kWindowEdgeLast)
-  int batch, head;
-  Band band;
-  Range one_segment_keys{0, 1 << 30};  // Band::keys_of_one_segment of the tile's rows
-  static constexpr int kSlotBytes = 48;  // 11 ints (Slot), 16-byte aligned
-  __device__ static int m_blocks(const FwdParams& p) { return (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM; }
-  __device__ static int all_tiles(const FwdParams& p) { return m_blocks(p) * p.batch * p.heads; }
-  __device__ static int tile_count(const FwdParams& p) {
-    return kRedo ? p.tile_scratch[FwdScratch::kRedoCount] : all_tiles(p);
-  }
-  __device__ static FwdTile tile_of(int tile, const FwdParams& p) {
-    if constexpr (kRedo) tile = p.tile_scratch[FwdScratch::redo_list(all_tiles(p)) + tile];
-    const bool shared_bias = (!p.bias || p.bias_strides.head == 0) && (!p.mask || p.mask_strides.head == 0);
-    return FwdTile::from(tile, m_blocks(p), p.heads, kVariant == Variant::kEverything && shared_bias);
-  }
-  __device__ static FwdWork of(int tile, const FwdParams& p) {
-    const FwdTile t = tile_of(tile, p);
-    FwdWork w;
-    w.q_first = t.m_block * Cfg::kBlockM;
-    w.batch = t.batch;
-    w.head = t.head;
-    w.band = Band::from<kMasked>(p, t.batch);
-    const int q_last = min(w.q_first + Cfg::kBlockM, p.seqlen_q) - 1;
-    const Range keys = w.band.keys_of(w.q_first, q_last);
-    w.n_begin = keys.begin / Cfg::kBlockN;
-    w.blocks = max(0, (keys.end + Cfg::kBlockN - 1) / Cfg::kBlockN - w.n_begin);
-    if constexpr (kOneSegmentKeys) w.one_segment_keys = w.band.keys_of_one_segment(w.q_first, q_last);
-    if constexpr (Cfg::kWindowEdgeLast) {
-      w.rotation = w.band.left >= 0 && w.blocks > 1 &&
-                   !w.band.all_visible(w.q_first, q_last, w.n_begin * Cfg::kBlockN, (w.n_begin + 1) * Cfg::kBlockN - 1);
-    }
-    return w;
-  }
-  // Into / from a slot of kSlotBytes (16-byte aligned), these ints in this order; tile < 0: no
-  // tile left.
-  enum Slot { kTile, kQFirst, kNBegin, kBlocks, kRotation, kBatch, kHead, kSeqlenQ, kSeqlenK, kOneBegin, kOneEnd };
-  __device__ void store(uint32_t slot, int tile) const {
-    ptx::st_shared_v4(slot, uint32_t(tile), uint32_t(q_first), uint32_t(n_begin), uint32_t(blocks));
-    ptx::st_shared_v4(slot + 4 * kRotation, uint32_t(rotation), uint32_t(batch), uint32_t(head),
-                      uint32_t(band.seqlen_q));
-    ptx::st_shared_v4(slot + 4 * kSeqlenK, uint32_t(band.seqlen_k), uint32_t(one_segment_keys.begin),
-                      uint32_t(one_segment_keys.end), 0u);
-  }
-  __device__ static void store_end(uint32_t slot) { ptx::st_shared_b32(slot + 4 * kTile, uint32_t(-1)); }
-  // Read by plain loads (the slot's generic address), which the compiler may repeat where it
-  // would otherwise keep the values in registers (with asm loads the redo kernels spilled).
-  __device__ static int load_tile(const int* slot) { return slot[kTile]; }
-  __device__ static FwdTile load_tile_coordinates(const int* slot) { return {0, slot[kBatch], slot[kHead]}; }
-  __device__ static FwdWork load(const int* slot, const FwdParams& p) {
-    FwdWork w;
-    w.q_first = slot[kQFirst], w.n_begin = slot[kNBegin], w.blocks = slot[kBlocks];
-    w.rotation = slot[kRotation], w.batch = slot[kBatch], w.head = slot[kHead];
-    w.band = Band::with_lengths<kMasked>(p, w.batch, slot[kSeqlenQ], slot[kSeqlenK]);
-    if constexpr (kOneSegmentKeys) w.one_segment_keys = {slot[kOneBegin], slot[kOneEnd]};
-    return w;
-  }
-  // The keys of the j-th block visited.
-  __device__ __forceinline__ int key_first(int j) const {
-    int block = j + rotation;
-    if (block >= blocks) block -= blocks;
-    return (n_begin + block) * Cfg::kBlockN;
-  }
-};
 
 // kVariant (params.h): which of the masks (mask.cuh), the soft cap (logits.cuh) and the bias and
 // boolean mask (bias.cuh; the pairs layout only, launch/dispatch.cu; staged tiles with
@@ -336,7 +180,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       it += w.blocks;
       // The next tile is claimed only now, a few blocks before the consumers finish this one:
       // claimed at the start, a long causal tile would stay reserved behind another long one
-      // while CTAs that finished sit idle (measured: -10% at 16k causal).
+      // while CTAs that finished sit idle (H7).
       tile = int(gridDim.x) + atomicAdd(p.tile_scratch + (kRedo ? FwdScratch::kRedoCounter : FwdScratch::kCounter), 1);
     }
     return;
@@ -347,7 +191,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int consumer = warp_group - 1;
   // The same, broadcast from lane 0 so that the compiler knows it is uniform across the warp: the
   // wgmma descriptors of this consumer's Q rows then stay in uniform registers (built from
-  // `consumer`, every wgmma rebuilt its descriptor in vector registers; docs/perf/log.md, B8).
+  // `consumer`, every wgmma rebuilt its descriptor in vector registers; H13).
   const int consumer_uniform = __shfl_sync(0xffffffff, consumer, 0);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   // This thread's rows of the tile (the accumulator layout): row_in_tile(r), r = 0, 1.
@@ -364,8 +208,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // threads) and the consumer before it in the rotation arrives (128). Every consumer takes
   // blocks + 1 turns a tile, and the rotation runs on from tile to tile: consumer 0 issues the
   // next tile's first S as soon as the last consumer has issued its last P V, while the others
-  // finish their epilogues (restarted at consumer 0 each tile, a tile's first products waited
-  // for the last consumer's epilogue: 3-6% at 2k causal, 5-7% for windows).
+  // finish their epilogues (restarted at consumer 0 each tile, a tile's first products would
+  // wait for the last consumer's epilogue; H8).
   constexpr int kTurnBarrier = 1;
   auto wait_turn = [&] { ptx::named_barrier_sync(kTurnBarrier + consumer, 256); };
   auto pass_turn = [&] { ptx::named_barrier_arrive(kTurnBarrier + (consumer + 1) % Cfg::kConsumers, 256); };
@@ -548,8 +392,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // capped (a constant at each call): S holds raw scores, whose tanh (logits.cuh) is taken in the
     // same pass.
     // With a cap at H = 64, whose softmax the MUFU bounds (a tanh and an exp2 a logit, twice the
-    // tensor cores' time), one element in four takes its exp2 on the FMA pipe: 6% faster; two in
-    // four level, three slower (docs/perf/log.md).
+    // tensor cores' time), one element in four takes its exp2 on the FMA pipe (H27).
     constexpr int kExp2OnFmaQuarters = kSoftcap && kHeadDim == 64 ? 1 : 0;
     auto exponentiate = [&](float (&s)[kSRegs], int r, float shift, bool capped) {
       float sum = 0.f;
@@ -584,7 +427,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     };
     // The same, speculative: exp2 against the rows' current maxima straight away, without taking
     // the block's (its FMNMX were a sixth of the softmax's instructions, and the exp2s waited for
-    // them: 12-16% of the forward at d = 128). Where a thread's sum of a row exceeds 2^8 (so may an
+    // them; H15). Where a thread's sum of a row exceeds 2^8 (so may an
     // element: the bound the exact softmax keeps), the warp takes the maxima of what it computed
     // and scales it down. An element past 2^120 is lost (past 2^128 it is inf, and 1 / it flushes
     // to 0 from 2^126): the tile is listed for the redo pass, which computes it again exactly. That
@@ -602,8 +445,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // With a cap at H >= 128, each element's tanh and exp2 in one pass, masked after it (to 0,
       // the row's sum taken again): the MUFU bounds the capped softmax, and with no mask between
       // a tanh pass and an exp2 pass the compiler fills the MUFU's gaps with the FMULs and FFMAs
-      // that otherwise ran before each pass, the MUFU idle (H = 128: 1-3% faster; H = 64: 2%
-      // slower, docs/perf/log.md). A masked logit's exp2 against the row's max may overflow to inf
+      // that otherwise ran before each pass, the MUFU idle (H26; slower at H = 64). A masked logit's exp2 against the row's max may overflow to inf
       // (e^2c), never NaN: the max is finite here.
       constexpr bool kCapInOnePass = kSoftcap && kHeadDim >= 128;
       if constexpr (kCapInOnePass) {
@@ -781,7 +623,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // A quad holds 8 consecutive columns of its row as four 4-byte pairs, one a thread: a 4 x 4
       // transpose across the quad (ptx::quad_transpose) gives each thread the 16 bytes of one n8
       // tile of four, so a warp's store writes 64 contiguous bytes of each of its 8 rows, with a
-      // quarter of the store instructions (4-byte stores: 14% of a 512-key window's forward).
+      // quarter of the store instructions (H16).
       const int64_t row_stride = int64_t(p.heads) * kHeadDim;
       T* gO = static_cast<T*>(p.o) + (int64_t(t.batch) * p.seqlen_q + q_first) * row_stride + t.head * kHeadDim;
       static_assert(kChunkN8 % 4 == 0, "whole groups of four n8 tiles in a chunk");
