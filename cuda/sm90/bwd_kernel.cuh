@@ -21,8 +21,7 @@
 // (kBlockM x H) into two parts, each over all 128 keys, so the dS of both must be in shared memory
 // (a barrier across the two): 64 x 64 at H = 128 by columns, at H = 64 (128-query steps) by rows;
 // with 80-query steps (dQ^T) 80 x 64 by columns. Each step then adds one kBlockM x H tile to
-// global memory; with each consumer's part over its own keys only, it added two, and at H = 64
-// those reduces (64 KB a step) were the backward's heaviest traffic.
+// global memory, not one a consumer (B6).
 //
 // Shared-memory tiles are the layout TMA writes with the 128-byte swizzle: 64-column panels of
 // 128-byte rows (sm90/fwd_kernel.cuh); wgmma reads them K-major or MN-major through descriptors.
@@ -40,79 +39,17 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "sm90/bwd/config.cuh"
 #include "sm90/bwd_bias_tiles.cuh"
 #include "sm90/bwd_stages.cuh"
 #include "sm90/dq_tiles.cuh"
 
 namespace jax_flash::sm90 {
 
-// kBias_: the kBias kernel's layout, with a region where the bias and mask tiles of the steps are
-// staged (bwd_bias_tiles.cuh), in place of dQ's second buffers.
-template <typename T_, int kHeadDim_, int kBlockM_ = kHeadDim_ == 64 ? 128 : 64, bool kBias_ = false>
-struct BwdConfig {
-  using T = T_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "dK and dV (64 x H fp32 each) fill a consumer's registers");
-  static constexpr int kConsumers = 2;  // warp groups of 64 keys
-  static constexpr int kBlockN = 64 * kConsumers;
-  // Query rows a step: 128 at H = 64, where the products of 64 rows are too small to keep the
-  // tensor cores busy (S^T then takes 64 registers, which H = 128's dK and dV leave no room for).
-  // At H = 128: 64, or 80 without masks or band (FlashAttention-3's non-causal tile, run_sm90.cuh),
-  // where each step's fixed costs spread over 25% more rows, in 8 more registers for S^T and dP^T.
-  static constexpr int kBlockM = kBlockM_;
-  static_assert(kStatsRowMultiple % kBlockM == 0, "statistics rows are padded to whole query blocks");
-  static constexpr int kStages = 2;
-  // A consumer's dQ part. With 64 or 128 query rows, a 64 x 64 part of dQ = dS K, rows first
-  // (kBlockM / 64 parts a column panel). With 80, whose rows are no wgmma M, dQ^T = K^T dS^T:
-  // each consumer takes 64 columns of dQ over all rows, and dS goes to shared memory untransposed.
-  static constexpr bool kDqTransposed = kBlockM % 64 != 0;
-  static_assert(kDqTransposed ? kHeadDim == 64 * kConsumers : (kBlockM / 64) * (kHeadDim / 64) == kConsumers,
-                "one dQ part a consumer");
-  using Dq = DqTiles<kDqTransposed ? kBlockM : 64, kDqTransposed>;
-  static constexpr int dq_row0(int consumer) { return kDqTransposed ? 0 : (consumer % (kBlockM / 64)) * 64; }
-  static constexpr int dq_column0(int consumer) { return (kDqTransposed ? consumer : consumer / (kBlockM / 64)) * 64; }
-  // Deterministic mode counts dQ turns per 64 query rows (common/bwd_walk.cuh): only whole 64-row
-  // query blocks run it.
-  static constexpr bool kRunsDeterministic = kBlockM % 64 == 0;
-  static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kPanels = kHeadDim / 64;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one stage of Q or dO
-  static constexpr int kStatBytes = kBlockM * 4;           // one stage of lse_log2 or delta
-  // dS^T: 64-query panels of 128-byte rows (keys); with kDqTransposed dS: 64-key panels of
-  // 128-byte rows (queries). Two buffers, since dQ reads the other consumer's part (one step's
-  // dQ may still read one while the next step writes the other); one with the bias tiles at
-  // 128-query steps, whose region takes the other's place: there a consumer writes a step's dS
-  // only once both have finished the step before (named barrier 4).
-  static constexpr int kDsBytes = kBlockN * kBlockM * 2;
-  static constexpr int kDsPanelBytes = (kDqTransposed ? kBlockM : kBlockN) * 128;
-  static constexpr int kDsBuffers = kBias_ && kBlockM == 128 ? 1 : 2;
-  // A consumer's dQ part: one fp32 tile of the accumulator (sm90/dq_tiles.cuh).
-  static constexpr int kDqBytes = Dq::kFloats * 4;
-  static constexpr int kDqBuffers = kBlockM == 64 && !kBias_ ? 2 : 1;  // per consumer, as shared memory allows
-  using BiasTiles = BwdBiasTiles<kHeadDim>;
-  static_assert(!kBias_ || (kBlockM == BiasTiles::kBlockM && kBlockN == BiasTiles::kBlockN), "the bias tiles' shape");
-  static constexpr int kBiasRegionBytes = kBias_ ? BiasTiles::kRegionBytes : 0;
-  // Offsets from the 1024-byte aligned base (the swizzle repeats every 1024 bytes).
-  static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDo = kQ + kStages * kQBytes;
-  static constexpr int kDs = kDo + kStages * kQBytes;
-  static constexpr int kDq = kDs + kDsBuffers * kDsBytes;
-  static constexpr int kLse = kDq + kConsumers * kDqBuffers * kDqBytes, kDelta = kLse + kStages * kStatBytes;
-  static constexpr int kBiasTiles = kDelta + kStages * kStatBytes;
-  static_assert(!kBias_ || kBiasTiles % 1024 == 0, "the bias tiles' boxes are swizzled in 1024-byte units");
-  static constexpr int kBarriers = kBiasTiles + kBiasRegionBytes;
-  static constexpr int kSmemBytes =
-      kBarriers + 8 * (1 + 4 * kStages + 2 * kConsumers * kDqBuffers + (kBias_ ? 4 : 0)) + 1024;
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= ptx::launch_registers(kThreads),
-                "registers at launch");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
-};
-
 // kVariant (params.h): which of the masks (mask.cuh) and the soft cap (logits.cuh) are read.
 // kBiasGrad (kBias only): dbias gets d logit; a kernel of its own, for the registers its adds take.
 // kBiasCapped (kBias only): the call has a soft cap; a kernel of its own, for the registers its
-// slopes take (with them, the uncapped bias kernels spilled 54-254 bytes).
+// slopes take (with them, the uncapped bias kernels spilled; B31).
 template <typename Cfg, Variant kVariant, bool kBiasGrad = false, bool kBiasCapped = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     bwd_kernel(const __grid_constant__ BwdTensorMaps maps, const BwdParams p) {
@@ -129,19 +66,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // dP^T - delta there, times the tanh's slopes, except where dbias wants d logit without them
   // (kSlopesApart): there the slopes wait for dS^T in registers, as packed pairs.
   constexpr bool kCappedStep = kSoftcap || kBiasCapped, kSlopesApart = kBiasCapped && kBiasGrad;
-  // Key blocks with the longest walks start first (BwdCta): 3-4% on causal rows of 4k-8k tokens
-  // (9% with a soft cap), level elsewhere (docs/perf/log.md, B19).
+  // Key blocks with the longest walks start first (BwdCta; B19).
   // Not where the remap's registers spill: at 80-query steps (which run no band, so that every
   // order does as well) and in the capped H = 64 kernel.
   constexpr bool kLongestFirst = kBlockM != 80 && !(kCappedStep && kHeadDim == 64);
   // dV is issued once dS^T is in shared memory (FlashAttention-3's order), so that dS^T follows
-  // dP^T's landing at once, and the thread index is read ahead of where it is needed (below): 1-3%
-  // faster without a cap (docs/perf/log.md, B20). With a cap (whose step waits for dP^T before the
-  // softmax), the two together were 2.5-4% slower, so the capped kernels keep the order before.
+  // dP^T's landing at once, and the thread index is read ahead of where it is needed (below; B20).
+  // Not with a cap, whose step waits for dP^T before the softmax: there the two were slower.
   constexpr bool kDvAfterDs = !kCappedStep, kThreadIndexAhead = !kCappedStep;
   // At H = 64 (128-query steps) dV goes out after dQ, not before: dQ's part then reaches shared
-  // memory while dV and dK run, 2-3% faster (B21). At H = 128 it was 1-2% slower, and at 80-query
-  // steps P^T, live until dV lands, spilled. (Measured in the plain kernels only.)
+  // memory while dV and dK run (B21). Slower at H = 128; at 80-query steps P^T, live until dV
+  // lands, spilled. (Measured in the plain kernels only.)
   constexpr bool kDqFirst = kHeadDim == 64 && kVariant == Variant::kPlain;
   static_assert(kDvAfterDs || !kDqFirst, "dV is issued at one place of the step");
 
@@ -281,8 +216,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const BwdWalk walk = make_walk();
   const int consumer = warp_group - 1;
   // The same, broadcast from lane 0 so that the compiler knows it is uniform across the warp: the
-  // wgmma descriptors built from it then stay in uniform registers (docs/perf/log.md, B8), and key0
-  // needs no S2R of the thread index each step (its wait was 1% of the stall samples).
+  // wgmma descriptors built from it then stay in uniform registers (B8), and key0 needs no S2R of
+  // the thread index each step (B20).
   const int consumer_uniform = __shfl_sync(0xffffffff, consumer, 0);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int key0 = k_first + (kThreadIndexAhead ? consumer_uniform : consumer) * 64;
@@ -298,7 +233,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Where this thread's lane addresses dS's 8 x 8 tiles for stmatrix (see the dS^T loop), in the
   // buffer: kept in registers like stats_offset, except at 80-query steps, where they spilled: there
   // they are rebuilt each step from the thread index, read when S^T lands so that the S2R's latency
-  // passes under the softmax (read where the offsets were needed, its wait was 3% of the samples).
+  // passes under the softmax (B20).
   uint32_t ds_lane_offset, ds_chunk_bits = 0;
   auto ds_offsets = [&](int warp_index, int lane_index) {
     const int warp = warp_index, m = lane_index / 8, r = lane_index % 8;
@@ -379,7 +314,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     };
     // lse is read into registers before S^T is issued, except with a cap or 128-query steps, which
     // have no registers for it: read behind the products, the loads queued behind their operand
-    // reads in shared memory, and the exp2 waited for them (8% of the stall samples at 80 queries).
+    // reads in shared memory, and the exp2 waited for them (B16).
     constexpr bool kEarlyLse = !kCappedStep && kBlockM <= 80;
     float2 lse[kBlockM / 8];
     if constexpr (kEarlyLse) {
@@ -387,7 +322,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       load_stats(sLse(stage), lse);
     }
     // Not waited for again: behind the loads, the barrier's test waited its turn in the same queue
-    // (3% of the stall samples).
+    // (B16).
     issue_transposed(st, sK, sQ(stage), kEarlyLse ? 0u : barriers.q_full(stage), s);
     issue_transposed(dpt, sV, sDo(stage), barriers.do_full(stage), s);
 
@@ -458,8 +393,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int j = 0; j < 4; ++j) pa[kk][j] = ptx::pack2<T>(st[8 * kk + 2 * j], st[8 * kk + 2 * j + 1]);
 
     // delta, read before dV is issued (so ahead of its operand reads), except with a cap (folded
-    // into dpt above). Read where dS^T needed them, at 80-query steps the FMULs that then scaled
-    // them were 6% of the stall samples.
+    // into dpt above), so that the FMULs scaling it do not wait for it (B16).
     float2 delta[kBlockM / 8];  // unused with a cap
     if constexpr (!kCappedStep) load_stats(sDelta(stage), delta);
 
@@ -592,8 +526,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     issue_over_queries(dk, dsa, sQ(stage));
     // The thread index for the dQ stores, read again each step rather than kept from the top of the
     // kernel (kept, it held a register across the step and ptxas spilled 16 bytes at H = 64), and
-    // read before the wait, so that its S2R's latency passes under it (read after the wait, its
-    // own wait was 1% of the stall samples).
+    // read before the wait, so that its S2R's latency passes under it (B20).
     int t = kThreadIndexAhead ? ptx::thread_index() % 128 : 0;
     // dQ goes out while dK (and with kDqFirst dV) runs.
     if constexpr (kDqFirst) {
