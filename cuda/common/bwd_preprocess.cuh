@@ -21,9 +21,7 @@ namespace jax_flash {
 // log-sum-exp, whose derivative is P; none when the lse was not used) and lse in base 2; rows past
 // T get the values that make P = 0 and dS = 0 there. The rows go in the order of dO and O in memory,
 // [batch, q, head], so that a warp reads whole runs of them: kRowsPerPass rows at once (all its
-// lanes busy at H = 64 and 128), kPasses passes, whose loads it issues before any sum. At H = 128
-// (67 MB each of dO and O) this reads 2.3 TB/s: 57 us, where one row a warp (half its lanes idle)
-// took 88; 4 and 8 passes took 67 and 85, 1 pass 59 (docs/perf/log.md, B32).
+// lanes busy at H = 64 and 128), kPasses passes, whose loads it issues before any sum (B32).
 template <int kHeadDim>
 struct BwdPreprocessShape {
   static constexpr int kChunks = kHeadDim / 8;

@@ -139,8 +139,8 @@ struct Band {
   }
   // Keys [begin, end) that with every row of [q0, q1] lie in one segment, so that a block inside
   // them, and inside the band, needs no mask (no ids compared); all keys without segment ids. Read
-  // once a tile (the chunks' one-segment ranges, _masks.py), then tested by arithmetic per block:
-  // all_visible's chunk loads each block took 30% of d = 64's forward with segment ids.
+  // once a tile (the chunks' one-segment ranges, _masks.py), then tested by arithmetic per block,
+  // instead of all_visible's chunk loads each block (H25).
   // Rows past the length get none (nor is a chunk past the tensor's end read).
   __device__ __forceinline__ Range keys_of_one_segment(int q0, int q1) const {
     if (!segments()) return {0, 1 << 30};

@@ -91,12 +91,10 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  // H = 64: 192-row tiles without a band, +0-8% at 2k-16k (docs/perf/log.md, H5). With one, 128-row
-  // tiles waste less on the diagonal; the 192-row tiles still win on long causal rows (+4-6% at
-  // 8k and 16k, level at 2k and 4k: H12), not for windows. Also in the masked variant, except
-  // with segment ids, whose documents' edges 192-row tiles straddle (lengths: non-causal +9%,
-  // causal at 16k +6%; keys cut to half a causal row -3%, 8 documents -2%: H24). Not with the
-  // soft cap, whose tanh made the consumers spill.
+  // H = 64: 192-row tiles without a band (H5). With one, 128-row tiles waste less on the
+  // diagonal; the 192-row tiles still win on long causal rows (H12), not for windows. Also in the
+  // masked variant, except with segment ids, whose documents' edges 192-row tiles straddle (H24).
+  // Not with the soft cap, whose tanh made the consumers spill.
   if constexpr (kHeadDim == 64 && (kVariant == Variant::kPlain || kVariant == Variant::kMasked)) {
     const bool no_band = p.window_left < 0 && p.window_right < 0;
     const bool long_causal = p.window_left < 0 && p.seqlen_q >= 8192;
@@ -104,10 +102,9 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
       return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 3>, kVariant>(p, stream);
     }
   }
-  // H = 128 and 256: wider key blocks (FwdConfig), +2-13% at 4k-16k without a window (docs/perf/log.md,
-  // H9-H11), also with lengths and the soft cap. At H = 128 a window bounded on the left, or
-  // segments, would waste more of 176 keys at their edges (window 512 and 2048-token documents lost
-  // 14%); at H = 256 the blocks are 80 keys against 64, and they lost nothing.
+  // H = 128 and 256: wider key blocks (FwdConfig) without a window (H9-H11), also with lengths and
+  // the soft cap. At H = 128 a window bounded on the left, or segments, would waste more of 176
+  // keys at their edges (H11); at H = 256 the blocks are 80 keys against 64, and lose nothing.
   // The bias variant keeps the narrow blocks: with the wide ones its loads' registers spilled. It
   // stages its tiles by TMA where they copy by rows and fit (FwdBiasTiles).
   if constexpr (kVariant == Variant::kEverything) {
@@ -148,8 +145,7 @@ cudaError_t make_bwd_tensor_maps(const BwdParams& p, sm90::BwdTensorMaps* maps) 
 // H <= 128: bwd_kernel with Cfg = BwdConfig, whose dQ accumulator is tiled as Cfg::Dq, converted
 // to dq by a last kernel. Outside deterministic mode and without segment ids the accumulator is
 // not zeroed: dQ tickets (params.h) say which CTA stores each block's first part. With segment
-// ids (packed documents, padding masks) the zeroed accumulator was faster (docs/perf/log.md, B33):
-// a padding mask's forward + backward took 10% less, 8 documents 1-3% less.
+// ids (packed documents, padding masks) the zeroed accumulator is faster (B33).
 template <typename Cfg, Variant kVariant>
 cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   using T = typename Cfg::T;

@@ -16,11 +16,10 @@ struct FwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   // Two m16 tiles per warp (FlashAttention-2's 128 x 64 tile with 4 warps) where registers allow:
   // each K/V fragment read from shared memory then feeds two mma.sync, halving shared-memory
-  // traffic per FLOP. At H = 128 only the plain kernel: +16-20% there (docs/perf/log.md, step 15),
-  // with Q read from shared memory and 84 bytes spilled; the masks, the soft cap and the bias
-  // would spill 108-1142 bytes, and H = 96 and 192-256 keep one tile too. 4 warps a CTA, so that
-  // two or more CTAs share an SM and one's barriers hide behind another's work (8 warps measured
-  // 15% slower at H = 128).
+  // traffic per FLOP. At H = 128 only the plain kernel (step 15), with Q read from shared memory
+  // and a few bytes spilled; the masks, the soft cap and the bias would spill far more, and H = 96
+  // and 192-256 keep one tile too. 4 warps a CTA, so that two or more CTAs share an SM and one's
+  // barriers hide behind another's work (step 5).
   static constexpr int kWarpRows = kHeadDim <= 64 || (kHeadDim == 128 && kVariant == Variant::kPlain) ? 32 : 16;
   static constexpr int kWarps = 4;
   static constexpr int kBlockM = kWarps * kWarpRows;
@@ -34,7 +33,7 @@ struct FwdConfig {
   // K one key block ahead of V: S of the next block is computed beside the softmax of this one
   // (two S accumulators, which fit where one m16 tile per warp leaves room).
   static constexpr bool kKLead = kWarpRows == 16;
-  // Unrolled tile loads: +16% at H = 128 (docs/perf/log.md), but spills at the other sizes.
+  // Unrolled tile loads where they do not spill (steps 3-4).
   static constexpr bool kUnrollLoads = kHeadDim == 96;
   using QTile = SmemTile<kBlockM, kHeadDim>;
   using KTile = SmemTile<kBlockN, kHeadDim>;

@@ -1,6 +1,6 @@
 // dK and dV of the head-dim-256 backward on Hopper (sm_90a): TMA, mbarriers, wgmma. dQ is
-// bwd_dq_kernel.cuh's, which walks the keys per query block instead: added here per step, it took
-// 64 KB of fp32 atomics per 64 x 64 step, 40% of the backward (docs/perf/log.md).
+// bwd_dq_kernel.cuh's, which walks the keys per query block instead: added here per step, it would
+// take 64 KB of fp32 atomics per 64 x 64 step (B12).
 //
 // bwd_kernel.cuh keeps dK and dV of its keys as m64 x H accumulators (keys as rows); at H = 256
 // they would take 256 registers a thread. Here the head dim is the row side of those products:
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   };
   const BwdBarriers<kStages> barriers{base_addr + Cfg::kBarriers};
 
-  // Longest walks first: +2% at causal 2k-4k.
+  // Longest walks first (B19).
   const auto [n_block, batch, kv_head] = BwdCta::of<true>(p.batch, p.kv_heads);
   const int group = p.heads / p.kv_heads;
   const int k_first = n_block * kBlockN;
