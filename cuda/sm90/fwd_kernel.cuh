@@ -37,6 +37,8 @@
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
 #include "sm90/fwd/config.cuh"
+#include "sm90/fwd/producer.cuh"
+#include "sm90/fwd/shared_memory.cuh"
 #include "sm90/fwd/tiles.cuh"
 #include "sm90/fwd_bias_tiles.cuh"
 
@@ -57,7 +59,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   using T = typename Cfg::T;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
   constexpr int kStages = Cfg::kStages;
-  constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool kBias = kVariant == Variant::kEverything, kSoftcap = kVariant == Variant::kSoftcap;
   using Work = FwdWork<Cfg, kVariant, kRedo>;
@@ -68,121 +69,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr bool kStagedStore = Cfg::kStagedStore;
 
   extern __shared__ char smem[];
-  const uint32_t sQ = (ptx::smem_addr(smem) + 1023) & ~1023u;
-  auto sK = [&](int stage) { return sQ + Cfg::kQBytes + stage * Cfg::kKVBytes; };
-  auto sV = [&](int stage) { return sQ + Cfg::kQBytes + (kStages + stage) * Cfg::kKVBytes; };
-  const uint32_t bias_region = sQ + Cfg::kQBytes + 2 * kStages * Cfg::kKVBytes;  // 1024-byte aligned
-  const uint32_t bars = bias_region + Cfg::kBiasRegionBytes;
-  const uint32_t q_full = bars, q_empty = bars + 8;
-  auto k_full = [&](int stage) { return bars + 8 * (2 + stage); };
-  auto v_full = [&](int stage) { return bars + 8 * (2 + kStages + stage); };
-  auto k_empty = [&](int stage) { return bars + 8 * (2 + 2 * kStages + stage); };
-  auto v_empty = [&](int stage) { return bars + 8 * (2 + 3 * kStages + stage); };
-  const uint32_t last_s_landed = bars + 8 * (2 + 4 * kStages);
+  const auto shared = FwdSharedMemory<Cfg>::of(smem);
+  const uint32_t sQ = shared.q;
+  auto sK = [&](int stage) { return shared.k(stage); };
+  auto sV = [&](int stage) { return shared.v(stage); };
+  const uint32_t bias_region = shared.bias_region();
+  const uint32_t q_full = shared.q_full(), q_empty = shared.q_empty();
+  auto k_full = [&](int stage) { return shared.k_full(stage); };
+  auto v_full = [&](int stage) { return shared.v_full(stage); };
+  auto k_empty = [&](int stage) { return shared.k_empty(stage); };
+  auto v_empty = [&](int stage) { return shared.v_empty(stage); };
+  const uint32_t last_s_landed = shared.last_s_landed();
   constexpr bool kBiasTiles = Cfg::kBiasRegionBytes > 0;
-  const uint32_t bias_full = bars + 8 * (3 + 4 * kStages), bias_empty = bias_full + 16;  // kBiasTiles
-  // The producer writes the work of the n-th tile whose Q it loads (or that no tile is left) into
-  // tile_slot(n) before it arrives on q_full; the consumers read it there at the tile's start and
-  // in its epilogue. Three slots: the producer writes tile n's as soon as it has derived it, once
-  // the consumers have begun tile n - 2 (it waited for that before publishing tile n - 1), so
-  // done with tile n - 3's slot; the work need not stay in its registers until Q's buffer frees.
-  auto tile_slot = [&](int n) { return bars + Cfg::kSlotsOffset + Work::kSlotBytes * (n % 3); };
-  static_assert(Cfg::kSlotsOffset + 3 * Work::kSlotBytes <= Cfg::kBarrierBytes, "barrier space");
-  auto tile_slot_ptr = [&](int n) {
-    return reinterpret_cast<const int*>(smem + (tile_slot(n) - ptx::smem_addr(smem)));
-  };
+  const uint32_t bias_full = shared.bias_full(), bias_empty = shared.bias_empty();  // kBiasTiles
+  auto tile_slot = [&](int n) { return shared.template tile_slot<Work>(n); };
+  auto tile_slot_ptr = [&](int n) { return shared.template tile_slot_ptr<Work>(n); };
 
-  if (threadIdx.x == 0) {
-    ptx::mbarrier_init(q_full, 1);
-    ptx::mbarrier_init(q_empty, kConsumerThreads);
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(k_full(s), 1);
-      ptx::mbarrier_init(v_full(s), 1);
-      ptx::mbarrier_init(k_empty(s), kConsumerThreads);
-      ptx::mbarrier_init(v_empty(s), kConsumerThreads);
-    }
-    ptx::mbarrier_init(last_s_landed, kConsumerThreads);
-    if constexpr (kBiasTiles) {
-      for (int stage = 0; stage < 2; ++stage) {
-        ptx::mbarrier_init(bias_full + 8 * stage, 1);
-        ptx::mbarrier_init(bias_empty + 8 * stage, kConsumerThreads);
-      }
-    }
-    ptx::fence_barrier_init();
-  }
+  if (threadIdx.x == 0) shared.init_barriers();
   __syncthreads();
 
   const int warp_group = threadIdx.x / 128;
   if (warp_group == 0) {
-    // Producer. Key blocks are numbered across tiles (`it`): the n-th use of a stage waits for
-    // the consumers' release of use n - 1.
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    // The copies of one key block (keys from key_first of kv head `kv_head`) into stage use `it`.
-    auto load_kv = [&](uint32_t full, uint32_t empty, uint32_t dst, const CUtensorMap* map, int it, int kv_head,
-                       int key_first, int batch) {
-      if (it >= kStages) ptx::mbarrier_wait(empty, (it / kStages - 1) & 1);
-      ptx::mbarrier_arrive_expect_tx(full, Cfg::kKVBytes);
-      for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-        ptx::tma_load_4d(dst + panel * kBlockN * 128, map, full, panel * 64, kv_head, key_first, batch);
-      }
-    };
-    auto load_k = [&](int it, int kv_head, int key_first, int batch) {
-      const int stage = it % kStages;
-      load_kv(k_full(stage), k_empty(stage), sK(stage), &maps.k, it, kv_head, key_first, batch);
-    };
-    auto load_v = [&](int it, int kv_head, int key_first, int batch) {
-      const int stage = it % kStages;
-      load_kv(v_full(stage), v_empty(stage), sV(stage), &maps.v, it, kv_head, key_first, batch);
-    };
-    // With kBiasTiles, key block `it`'s tiles of the bias and mask, after its V.
-    auto load_bias = [&](int it, const Work& w, int key_first) {
-      if constexpr (kBiasTiles) {
-        Cfg::BiasTiles::of(p, sizeof(T)).load(&maps.bias, &maps.mask, p, it, bias_region, bias_full, bias_empty,
-                                              w.batch, w.head, w.q_first, key_first);
-      }
-    };
-    const int tiles = Work::tile_count(p);
-    int tile = blockIdx.x;
-    for (int n = 0, it = 0;; ++n) {
-      // Q's buffer is free once every consumer's last S of the previous tile has landed.
-      auto wait_q_empty = [&] {
-        if (n > 0) ptx::mbarrier_wait(q_empty, (n - 1) & 1);
-      };
-      if (tile >= tiles) {  // no tile left: the consumers are told so, and all stop
-        Work::store_end(tile_slot(n));
-        wait_q_empty();
-        ptx::mbarrier_arrive(q_full);
-        break;
-      }
-      const Work w = Work::of(tile, p);
-      w.store(tile_slot(n), tile);
-      const int kv_head = w.head / (p.heads / p.kv_heads);
-      if (w.blocks == 0) {
-        wait_q_empty();
-        ptx::mbarrier_arrive(q_full);
-      } else {
-        // The first K block goes out before Q: its stage frees earlier than Q's buffer.
-        load_k(it, kv_head, w.key_first(0), w.batch);
-        wait_q_empty();
-        ptx::mbarrier_arrive_expect_tx(q_full, Cfg::kQBytes);
-        for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-          ptx::tma_load_4d(sQ + panel * kBlockM * 128, &maps.q, q_full, panel * 64, w.head, w.q_first, w.batch);
-        }
-        load_v(it, kv_head, w.key_first(0), w.batch);
-        load_bias(it, w, w.key_first(0));
-        for (int j = 1; j < w.blocks; ++j) {
-          load_k(it + j, kv_head, w.key_first(j), w.batch);
-          load_v(it + j, kv_head, w.key_first(j), w.batch);
-          load_bias(it + j, w, w.key_first(j));
-        }
-      }
-      it += w.blocks;
-      // The next tile is claimed only now, a few blocks before the consumers finish this one:
-      // claimed at the start, a long causal tile would stay reserved behind another long one
-      // while CTAs that finished sit idle (H7).
-      tile = int(gridDim.x) + atomicAdd(p.tile_scratch + (kRedo ? FwdScratch::kRedoCounter : FwdScratch::kCounter), 1);
-    }
+    if (threadIdx.x == 0) FwdProducer<Cfg, kVariant, kRedo>{maps, p, shared}.run();
     return;
   }
 
