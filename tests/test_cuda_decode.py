@@ -3,6 +3,10 @@ dim, 1-16 queries, GQA groups 1-16, lengths 0, 1 and not multiples of any block,
 soft cap, one and many splits, dense caches and pools of shuffled pages of each size. Outputs land
 on NaN-poisoned memory; each call runs twice and must give the same bits (a race would move)."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,3 +127,31 @@ def test_paged_in_place(page_size, t):
     assert reference.rel_error(out, ref_out) < TOL
     dense_out = jax_flash.attention(q, dense_k, dense_v, key_value_seq_lengths=lens, is_causal=True)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(dense_out, np.float32))
+
+
+_GRAPH_STEP = """
+import jax, jax.numpy as jnp, jax_flash
+q = jnp.ones((1, 1, 32, 128), jnp.bfloat16)
+k = jax.random.normal(jax.random.key(0), (1, 1024, 8, 128), jnp.bfloat16)
+@jax.jit
+def step(q, k):
+    for _ in range(4):  # as a model's layers: a fusion, then attention
+        q = jax_flash.attention(q * 2, k, k, is_causal=True, key_value_seq_lengths=jnp.array([1000]),
+                                implementation="cuda")
+    return q
+jax.block_until_ready(step(q, k))
+"""
+
+
+def test_a_jitted_decode_step_runs_as_one_cuda_graph(tmp_path):
+    """The handlers are registered command-buffer compatible (_ffi.register_targets), so XLA puts a
+    step's decode calls with its fusions into one command buffer (a CUDA graph) instead of
+    launching each from the host: in the thunk sequence XLA dumps, no custom call is left at the
+    top level."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path}", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    subprocess.run([sys.executable, "-c", _GRAPH_STEP], env=env, check=True, capture_output=True)
+    (dump,) = [p for p in tmp_path.glob("*jit_step*thunk_sequence_after_thunk_passes.txt")]
+    top_level = [line for line in dump.read_text().splitlines() if line[:1].isdigit()]
+    assert any("kCommandBuffer" in line for line in top_level), top_level
+    assert not any("kCustomCall" in line for line in top_level), top_level
+    assert "kCustomCall" in dump.read_text()
