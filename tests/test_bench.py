@@ -120,3 +120,21 @@ def test_decode_dispatch_spans():
     assert decode.dispatch_spans(events, 2) == pytest.approx([33e-6, 10e-6])
     with pytest.raises(RuntimeError, match="2 dispatches, not 3"):
         decode.dispatch_spans(events, 3)
+
+
+def test_unequal_and_long_head_dims_with_fixed_heads(capsys):
+    """--head-dims takes D:DV (a value head dim other than the query/key one) beside plain dims,
+    and --heads / --batch fix the shape (the head-dim issue's B = 1, 8 heads): rows for each, a
+    FLOP count from both dims, the table labelling 48/32."""
+    rows = cli.main(["--head-dims", "48:32", "320", "--heads", "2", "--batch", "1", "--seqlens", "64"])
+    assert {(r["d"], r["heads"], r["batch"]) for r in rows} == {("48/32", 2, 1), ("320", 2, 1)}
+    assert all(r["seconds"] and r["tflops"] for r in rows if r["impl"] in ("jax_flash", "xla"))
+    padded = {r["d"]: r["seconds"] for r in rows if r["impl"] == "jax_flash, V padded"}
+    assert padded["48/32"] and padded["320"] is None  # the padded column only where V is narrower
+    unequal = timing.Shape(48, 64, False, 1, 2, 32)
+    assert unequal.flops(False) == 2.0 * 2 * 64**2 * (48 + 32)
+    assert unequal.flops(True) == 2.0 * 2 * 64**2 * (3 * 48 + 2 * 32)
+    assert timing.Shape(64, 64, True, 1, 2).flops(True) == 2.5 * timing.Shape(64, 64, True, 1, 2).flops(False)
+    assert "| 48/32 | 64 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["--head-dims", "48:x"])

@@ -14,7 +14,10 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m jax_flash.bench", description=training.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a short grid")
-    parser.add_argument("--head-dims", type=int, nargs="+", help="head dims to run (GPU grid)")
+    parser.add_argument("--head-dims", type=training.head_dims_arg, nargs="+",
+                        help="head dims to run: D, or D:DV for a value head dim DV other than the query/key one")
+    parser.add_argument("--heads", type=int, help="heads (default: 2048 / head dim)")
+    parser.add_argument("--batch", type=int, help="batch (default: 16384 tokens / seqlen)")
     parser.add_argument("--seqlens", type=int, nargs="+", help="sequence lengths to run")
     parser.add_argument("--plot", metavar="PNG", help="write TFLOP/s vs seqlen per implementation")
     parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
@@ -41,7 +44,9 @@ def main(argv=None) -> list[dict]:
         return rows
     if args.masks:
         rows = []
-        for head_dim in args.head_dims or (128,):
+        for head_dim, value_head_dim in args.head_dims or ((128, None),):
+            if value_head_dim is not None:
+                parser.error("--masks times equal head dims only")
             these = masks.run(head_dim)
             print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, d = {head_dim}")
             print(masks.table(these))

@@ -17,11 +17,23 @@ class Shape:
     causal: bool
     batch: int
     heads: int
+    value_head_dim: int | None = None  # None: head_dim
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
+
+    @property
+    def label(self) -> str:
+        """The head dim as the tables print it: "128", or "192/128" with another value head dim."""
+        return str(self.head_dim) if self.dv == self.head_dim else f"{self.head_dim}/{self.dv}"
 
     def flops(self, backward: bool) -> float:
-        f = 4.0 * self.batch * self.heads * self.seqlen**2 * self.head_dim
-        f = f / 2 if self.causal else f
-        return 2.5 * f if backward else f
+        """Matmul FLOPs: forward Q K^T (head_dim) and P V (dv); backward S again, dQ and dK
+        (head_dim), dP and dV (dv). With equal dims 4 b h s^2 d forward, 2.5x that backward."""
+        per_dim = 2.0 * self.batch * self.heads * self.seqlen**2 / (2 if self.causal else 1)
+        d, dv = self.head_dim, self.dv
+        return per_dim * (3 * d + 2 * dv) if backward else per_dim * (d + dv)
 
 
 def peers(on_gpu: bool) -> dict[str, Callable]:
@@ -115,7 +127,8 @@ def measure(impls: dict[str, Callable], shape: Shape, dtype, rounds: int = ROUND
     back to back and a drift of the clocks during a round favours neither."""
     keys = jax.random.split(jax.random.key(shape.seqlen * 7 + shape.head_dim), 4)
     dims = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
-    q, k, v, do = (jax.random.normal(key, dims, dtype) for key in keys)
+    value_dims = dims[:3] + (shape.dv,)
+    q, k, v, do = (jax.random.normal(key, d, dtype) for key, d in zip(keys, (dims, dims, value_dims, value_dims)))
     fwd_args, fwd_bwd_args = (q, k, v), (q, k, v, do)
     loops = {}  # name -> (fwd, calls, fwd_bwd, calls); fwd or fwd_bwd None where it fails
     for name, attn in impls.items():
