@@ -37,9 +37,11 @@
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
 #include "sm90/fwd/config.cuh"
+#include "sm90/fwd/epilogue.cuh"
 #include "sm90/fwd/producer.cuh"
 #include "sm90/fwd/shared_memory.cuh"
 #include "sm90/fwd/tiles.cuh"
+#include "sm90/fwd/turns.cuh"
 #include "sm90/fwd_bias_tiles.cuh"
 
 namespace jax_flash::sm90 {
@@ -111,17 +113,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const float scale_log2 = logits.unit * kLog2e;
   constexpr float kLazyRescaleLog2 = 8.f;  // see the softmax
 
-  // Ping-pong between the consumers (FlashAttention-3's inter-warpgroup overlap): they take turns
-  // issuing their wgmma, in rotation, so that one's softmax runs while the others' products occupy
-  // the tensor cores. Named barrier kTurnBarrier + c opens consumer c's turn: c syncs on it (128
-  // threads) and the consumer before it in the rotation arrives (128). Every consumer takes
-  // blocks + 1 turns a tile, and the rotation runs on from tile to tile: consumer 0 issues the
-  // next tile's first S as soon as the last consumer has issued its last P V, while the others
-  // finish their epilogues (restarted at consumer 0 each tile, a tile's first products would
-  // wait for the last consumer's epilogue; H8).
-  constexpr int kTurnBarrier = 1;
-  auto wait_turn = [&] { ptx::named_barrier_sync(kTurnBarrier + consumer, 256); };
-  auto pass_turn = [&] { ptx::named_barrier_arrive(kTurnBarrier + (consumer + 1) % Cfg::kConsumers, 256); };
+  // The consumers take turns issuing their wgmma (fwd/turns.cuh).
+  const ConsumerTurns<Cfg::kConsumers> turns{consumer};
   constexpr int kLastConsumer = Cfg::kConsumers - 1;
 
   bool started = false;  // this consumer has taken a turn
@@ -137,14 +130,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     staged_stage = -1;
   };
-  constexpr int kStoreBarrier = kTurnBarrier + Cfg::kConsumers;  // + consumer: its O staged
+  constexpr int kStoreBarrier = ConsumerTurns<Cfg::kConsumers>::kEnd;  // + consumer: its O staged
   for (int n = 0, it = 0;; ++n) {
     ptx::mbarrier_wait(q_full, n & 1);
     const int tile = Work::load_tile(tile_slot_ptr(n));
     if (tile < 0) {
       // The last consumer passed its last turn on to consumer 0: take it, so that no arrival is
       // left on a named barrier when the CTA exits.
-      if (consumer == 0 && started) wait_turn();
+      if (consumer == 0 && started) turns.wait();
       release_staging();
       if (kStagedStore && tid == 0) ptx::tma_store_wait_all();
       break;
@@ -431,12 +424,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (blocks > 0) {
       float s[kSRegs], rescale[2];
       uint32_t pa[kBlockN / 16][4];
-      if (consumer == kLastConsumer && !started) pass_turn();  // opens consumer 0's first turn
+      if (consumer == kLastConsumer && !started) turns.pass();  // opens consumer 0's first turn
       started = true;
-      wait_turn();
+      turns.wait();
       issue_s(s, 0);
       prefetch_bias(0);
-      pass_turn();
+      turns.pass();
       release_staging();
       ptx::wgmma_wait<0>();
       ptx::fence_registers(s);
@@ -444,11 +437,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       softmax_exact(s, 0, rescale);
       to_operand(s, pa);
       for (int j = 1; j < blocks; ++j) {
-        wait_turn();
+        turns.wait();
         issue_s(s, j);
         prefetch_bias(j);
         issue_pv(pa, j - 1);
-        pass_turn();
+        turns.pass();
         ptx::wgmma_wait<1>();  // S_j is in; P_{j-1} V_{j-1} may still run
         ptx::fence_registers(s);
         release_k(j);
@@ -464,9 +457,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         rescale_o(rescale);
         to_operand(s, pa);
       }
-      wait_turn();
+      turns.wait();
       issue_pv(pa, blocks - 1);
-      pass_turn();
+      turns.pass();
       ptx::wgmma_wait<0>();
       fence_o();
       ptx::fence_registers(pa);
@@ -476,9 +469,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       release_staging();
     }
 
-    // Epilogue: normalise O; stage it for a TMA store (kStagedStore), or store its rows straight
-    // from registers (rows past the sequence are not stored). The lse goes first: an instruction
-    // after the O stores that reuses their registers waits until they have drained.
+    // Epilogue: the lse, then O normalised, staged for a TMA store (kStagedStore) or stored
+    // straight from registers (fwd/epilogue.cuh). The lse goes first: an instruction after the O
+    // stores that reuses their registers waits until they have drained.
     const FwdTile t = Work::load_tile_coordinates(tile_slot_ptr(n));  // read again: not kept in registers
     const int rows_valid = min(kBlockM, p.seqlen_q - q_first);
     float inv[2];
@@ -495,63 +488,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             empty ? -INFINITY : row_max[r] * logits.unit + logf(sum);
       }
     }
-    constexpr int kChunkN8 = Cfg::kOChunkCols / 8;
     if (kStagedStore && blocks > 0) {
-      // O as T into this consumer's rows of the last block's K stage (64-column panels of
-      // 128-byte rows, swizzled as TMA reads them), by stmatrix: tile m of four is rows
-      // (m % 2) * 8 and n8 tile 2 g + m / 2; then one thread stores them by TMA, which clips rows
-      // past the sequence. Written once every consumer's last S has read that K.
+      // Into the last block's K stage, once every consumer's last S has read it.
       const int stage = stage_of(blocks - 1);
       const uint32_t staging = sK(stage) + consumer_uniform * Cfg::kPanels * 64 * 128;
       ptx::mbarrier_wait(last_s_landed, staged_tiles & 1);
       ++staged_tiles;
-      const int m = lane / 8, i = lane % 8;
-      const uint32_t lane_addr = staging + (warp * 16 + (m % 2) * 8 + i) * 128;
-      const uint32_t lane_bits = ((m / 2) ^ i) * 16;
-#pragma unroll
-      for (int g = 0; g < kHeadDim / 16; ++g) {
-        uint32_t r[4];
-#pragma unroll
-        for (int mm = 0; mm < 4; ++mm) {
-          const int n8 = 2 * g + mm / 2, rr = mm % 2, c = n8 / kChunkN8, n8l = n8 % kChunkN8;
-          r[mm] = ptx::pack2<T>(o[c][4 * n8l + 2 * rr] * inv[rr], o[c][4 * n8l + 2 * rr + 1] * inv[rr]);
-        }
-        ptx::stmatrix_x4(lane_addr + (g / 4) * 64 * 128 + (((2 * g) % 8 * 16) ^ lane_bits), r[0], r[1], r[2], r[3]);
-      }
-      ptx::fence_proxy_async_shared();
-      ptx::named_barrier_sync(kStoreBarrier + consumer_uniform, 128);
-      if (tid == 0) {
-        for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-          ptx::tma_store_4d(&maps.o, staging + panel * 64 * 128, panel * 64, t.head, q_first + consumer_uniform * 64,
-                            t.batch);
-        }
-        ptx::tma_store_commit();
-      }
+      store_o_staged<Cfg>(&maps.o, t.head, q_first + consumer_uniform * 64, t.batch, o, inv, staging,
+                          kStoreBarrier + consumer_uniform, tid, warp, lane);
       staged_stage = stage;
     } else {
-      // A quad holds 8 consecutive columns of its row as four 4-byte pairs, one a thread: a 4 x 4
-      // transpose across the quad (ptx::quad_transpose) gives each thread the 16 bytes of one n8
-      // tile of four, so a warp's store writes 64 contiguous bytes of each of its 8 rows, with a
-      // quarter of the store instructions (H16).
       const int64_t row_stride = int64_t(p.heads) * kHeadDim;
       T* gO = static_cast<T*>(p.o) + (int64_t(t.batch) * p.seqlen_q + q_first) * row_stride + t.head * kHeadDim;
-      static_assert(kChunkN8 % 4 == 0, "whole groups of four n8 tiles in a chunk");
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = row_in_tile(r);
-        uint4* out = reinterpret_cast<uint4*>(gO + row * row_stride);
-#pragma unroll
-        for (int group = 0; group < kHeadDim / 32; ++group) {
-          uint32_t pairs[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int c = (4 * group + i) / kChunkN8, n8 = (4 * group + i) % kChunkN8;
-            pairs[i] = ptx::pack2<T>(o[c][4 * n8 + 2 * r] * inv[r], o[c][4 * n8 + 2 * r + 1] * inv[r]);
-          }
-          ptx::quad_transpose(pairs, lane % 4);
-          if (row < rows_valid) out[4 * group + lane % 4] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
-        }
-      }
+      const int rows[2] = {row_in_tile(0), row_in_tile(1)};
+      store_o<Cfg>(gO, row_stride, rows_valid, o, inv, rows, lane);
     }
     it += blocks;
   }
