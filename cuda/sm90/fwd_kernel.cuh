@@ -39,6 +39,7 @@
 #include "sm90/fwd/config.cuh"
 #include "sm90/fwd/epilogue.cuh"
 #include "sm90/fwd/producer.cuh"
+#include "sm90/fwd/products.cuh"
 #include "sm90/fwd/shared_memory.cuh"
 #include "sm90/fwd/tiles.cuh"
 #include "sm90/fwd/turns.cuh"
@@ -182,21 +183,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       if (j == blocks - 1) ptx::mbarrier_arrive(q_empty);
     };
-    // O += P V_j issued. V is MN-major for this product (keys are K, head-dim columns N): 16 keys a
-    // step (2048 bytes of a panel), 64-column panels kBlockN * 128 bytes apart.
+    // O += P V_j issued, not waited for (fwd/products.cuh).
     auto issue_pv = [&](const uint32_t (&pa)[kBlockN / 16][4], int j) {
       const int stage = stage_of(j);
-      const uint64_t v_desc = ptx::smem_desc_sw128(sV(stage), kBlockN * 128);
-      ptx::mbarrier_wait(v_full(stage), phase_of(j));
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-#pragma unroll
-        for (int c = 0; c < Cfg::kOChunks; ++c) {
-          ptx::wgmma_rs(o[c], pa[kk],
-                        ptx::desc_advance(v_desc, c * (Cfg::kOChunkCols / 64) * kBlockN * 128 + kk * 2048), T{});
-        }
-      ptx::wgmma_commit();
+      sm90::issue_pv<Cfg>(o, pa, sV(stage), v_full(stage), phase_of(j));
     };
     // Soft cap (the kEverything variant: where the call has one), bias and boolean mask, then the band
     // mask (only blocks that straddle the band, the end of the keys or a segment's edge). The
