@@ -41,6 +41,7 @@
 #include "sm90/fwd/producer.cuh"
 #include "sm90/fwd/products.cuh"
 #include "sm90/fwd/shared_memory.cuh"
+#include "sm90/fwd/softmax_rows.cuh"
 #include "sm90/fwd/tiles.cuh"
 #include "sm90/fwd/turns.cuh"
 #include "sm90/fwd_bias_tiles.cuh"
@@ -250,14 +251,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       if (!bm.whole) mask_band(s, j, bm, -INFINITY);
     };
-    // The maximum of row r of the block (its four threads' columns).
-    auto block_row_max = [&](const float (&s)[kSRegs], int r) {
-      float m = -INFINITY;
-#pragma unroll
-      for (int n8 = 0; n8 < kBlockN / 8; ++n8) m = fmaxf(m, fmaxf(s[4 * n8 + 2 * r], s[4 * n8 + 2 * r + 1]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
-      return fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
-    };
     // The bias's and mask's lines of block j into L1 while S_j is computed (cap_and_mask reads
     // them when it has landed): a quad's four threads take its two rows' two 64-key halves.
     auto prefetch_bias = [&](int j) {
@@ -273,13 +266,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     };
     // A row that has seen nothing visible keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
     auto shift_of = [&](int r) { return row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2; };
-    // This thread's sum of row r of the block.
-    auto row_sum_of = [&](const float (&s)[kSRegs], int r) {
-      float sum = 0.f;
-#pragma unroll
-      for (int n8 = 0; n8 < kBlockN / 8; ++n8) sum += s[4 * n8 + 2 * r] + s[4 * n8 + 2 * r + 1];
-      return sum;
-    };
     // S becomes exp2(S * scale_log2 - shift) in place; returns this thread's sum of the row.
     // capped (a constant at each call): S holds raw scores, whose tanh (logits.cuh) is taken in the
     // same pass.
@@ -346,7 +332,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if (!bm.whole) {
           mask_band(s, j, bm, 0.f);
 #pragma unroll
-          for (int r = 0; r < 2; ++r) sum[r] = row_sum_of(s, r);
+          for (int r = 0; r < 2; ++r) sum[r] = thread_row_sum(s, r);
         }
       } else {
         cap_and_mask(s, j, bm);
@@ -385,14 +371,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       }
     };
-    // P as the A fragments of the k16 steps over this block's keys (n8 tiles 2kk and 2kk + 1: the
-    // accumulator and A layouts agree thread for thread).
-    auto to_operand = [&](const float (&s)[kSRegs], uint32_t (&pa)[kBlockN / 16][4]) {
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) pa[kk][i] = ptx::pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
-    };
     // Skipped by a warp whose rows all kept their max (the usual case once a row has seen a few
     // blocks).
     auto rescale_o = [&](const float (&rescale)[2]) {
@@ -425,7 +403,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::fence_registers(s);
       release_k(0);
       softmax_exact(s, 0, rescale);
-      to_operand(s, pa);
+      to_operand<T>(s, pa);
       for (int j = 1; j < blocks; ++j) {
         turns.wait();
         issue_s(s, j);
@@ -445,7 +423,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         ptx::fence_registers(pa);  // read by that wgmma until now
         ptx::mbarrier_arrive(v_empty(stage_of(j - 1)));
         rescale_o(rescale);
-        to_operand(s, pa);
+        to_operand<T>(s, pa);
       }
       turns.wait();
       issue_pv(pa, blocks - 1);
