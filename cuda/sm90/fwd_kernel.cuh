@@ -266,24 +266,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     };
     // A row that has seen nothing visible keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
     auto shift_of = [&](int r) { return row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2; };
-    // S becomes exp2(S * scale_log2 - shift) in place; returns this thread's sum of the row.
-    // capped (a constant at each call): S holds raw scores, whose tanh (logits.cuh) is taken in the
-    // same pass.
     // With a cap at H = 64, whose softmax the MUFU bounds (a tanh and an exp2 a logit, twice the
     // tensor cores' time), one element in four takes its exp2 on the FMA pipe (H27).
     constexpr int kExp2OnFmaQuarters = kSoftcap && kHeadDim == 64 ? 1 : 0;
     auto exponentiate = [&](float (&s)[kSRegs], int r, float shift, bool capped) {
-      float sum = 0.f;
-#pragma unroll
-      for (int n8 = 0; n8 < kBlockN / 8; ++n8)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float& x = s[4 * n8 + 2 * r + c];
-          const float arg = (capped ? logits.value(x) : x) * scale_log2 - shift;
-          x = (2 * n8 + c) % 4 < kExp2OnFmaQuarters ? ptx::exp2_on_fma(arg) : ptx::exp2(arg);
-          sum += x;
-        }
-      return sum;
+      return sm90::exponentiate<kExp2OnFmaQuarters>(s, r, shift, capped, logits, scale_log2);
     };
     // The online softmax of block j, exact: the rows' maxima first, then S becomes exp2(S - max)
     // in place; returns the factor O must be scaled by.
@@ -371,15 +358,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       }
     };
-    // Skipped by a warp whose rows all kept their max (the usual case once a row has seen a few
-    // blocks).
-    auto rescale_o = [&](const float (&rescale)[2]) {
-      if (!__any_sync(0xffffffff, rescale[0] != 1.f || rescale[1] != 1.f)) return;
-#pragma unroll
-      for (int c = 0; c < Cfg::kOChunks; ++c)
-#pragma unroll
-        for (int i = 0; i < kORegs; ++i) o[c][i] *= rescale[(i % 4) / 2];
-    };
     auto fence_o = [&] {
 #pragma unroll
       for (int c = 0; c < Cfg::kOChunks; ++c) ptx::fence_registers(o[c]);
@@ -422,7 +400,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         fence_o();
         ptx::fence_registers(pa);  // read by that wgmma until now
         ptx::mbarrier_arrive(v_empty(stage_of(j - 1)));
-        rescale_o(rescale);
+        rescale_o(o, rescale);
         to_operand<T>(s, pa);
       }
       turns.wait();
