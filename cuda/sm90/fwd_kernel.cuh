@@ -36,6 +36,7 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "sm90/fwd/block_mask.cuh"
 #include "sm90/fwd/config.cuh"
 #include "sm90/fwd/epilogue.cuh"
 #include "sm90/fwd/producer.cuh"
@@ -189,15 +190,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int stage = stage_of(j);
       sm90::issue_pv<Cfg>(o, pa, sV(stage), v_full(stage), phase_of(j));
     };
-    // Soft cap (the kEverything variant: where the call has one), bias and boolean mask, then the band
-    // mask (only blocks that straddle the band, the end of the keys or a segment's edge). The
-    // masked variant tests a block against its tile's one-segment keys (arithmetic) and compares
-    // no ids in a block of one segment; the others read the block's chunks (all_visible).
+    // Soft cap (the kEverything variant: where the call has one), bias and boolean mask, then the
+    // band mask (fwd/block_mask.cuh).
     constexpr bool kOneSegmentKeys = Work::kOneSegmentKeys;
-    struct BlockMask {
-      bool whole;        // every logit of the block visible: no mask
-      bool one_segment;  // its keys hold only the tile's rows' one segment id: no id compared
-    };
     auto block_mask = [&](int j) {
       const int k_first = w.key_first(j);
       const bool one_segment =
@@ -207,26 +202,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                              : band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1);
       return BlockMask{whole, one_segment};
     };
-    // The band mask: `fill` where a row does not see a key (-inf before the exp2, 0 after it).
     auto mask_band = [&](float (&s)[kSRegs], int j, BlockMask bm, float fill) {
-      const int k_first = w.key_first(j);
       const int q[2] = {q_first + row_in_tile(0), q_first + row_in_tile(1)};
-      const Range seen[2] = {band.keys_seen_by(q[0]), band.keys_seen_by(q[1])};
-      auto mask = [&](auto segments) {
-        constexpr bool kSegments = decltype(segments)::value;
-        const int q_segment[2] = {kSegments ? band.q_segment(q[0]) : 0, kSegments ? band.q_segment(q[1]) : 0};
-#pragma unroll
-        for (int i = 0; i < kSRegs; ++i) {
-          const int r = (i % 4) / 2, k = k_first + (i / 4) * 8 + (lane % 4) * 2 + i % 2;
-          const bool other_segment = kSegments && band.kv_segment(k) != q_segment[r];
-          if (k < seen[r].begin || k >= seen[r].end || other_segment) s[i] = fill;
-        }
-      };
-      if (bm.one_segment) {
-        mask(std::false_type{});
-      } else {
-        band.with_segments(mask);
-      }
+      sm90::mask_band(s, band, q, w.key_first(j), lane, bm, fill);
     };
     auto cap_and_mask = [&](float (&s)[kSRegs], int j, BlockMask bm) {
       const int k_first = w.key_first(j);
