@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "common/bias.cuh"
+#include "launch/device.h"
 #include "launch/dispatch.h"
 #include "sm90/bwd_bias_tiles.cuh"
 
@@ -29,13 +30,8 @@ cudaError_t by_head_dim(int head_dim, Fn&& fn) {
 bool use_sm90(KernelFamily family) {
 #if defined(JAX_FLASH_HAS_SM90A)
   if (family != KernelFamily::kBest) return false;
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    return false;
-  }
-  return major == 9 && minor == 0;
+  int major = 0, minor = 0;
+  return current_device_capability(&major, &minor) && major == 9 && minor == 0;
 #else
   (void)family;
   return false;

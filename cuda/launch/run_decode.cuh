@@ -10,18 +10,13 @@
 #include "decode/params.h"
 #include "decode/split_kernel.cuh"
 #include "launch/allow_smem.h"
+#include "launch/device.h"
 
 namespace jax_flash {
 
-// Whether the current GPU takes programmatic dependent launches (sm_90 on).
-inline bool dependent_launch_supported() {
-  int device = 0, major = 0;
-  return cudaGetDevice(&device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
-}
-
 // The combine kernel, as a programmatic dependent launch where the GPU has them: its launch
-// overlaps the split kernel, which is most of its cost at decode sizes (decode D5).
+// overlaps the split kernel, which is most of its cost at decode sizes (decode D6). Programmatic
+// dependent launches exist from sm_90 on.
 template <typename T, int kHeadDim>
 cudaError_t launch_combine(const DecodeParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads;
@@ -32,7 +27,8 @@ cudaError_t launch_combine(const DecodeParams& p, cudaStream_t stream) {
   cudaLaunchAttribute dependent{};
   dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   dependent.val.programmaticStreamSerializationAllowed = 1;
-  if (dependent_launch_supported()) {
+  int major = 0, minor = 0;
+  if (current_device_capability(&major, &minor) && major >= 9) {
     config.attrs = &dependent;
     config.numAttrs = 1;
   }
