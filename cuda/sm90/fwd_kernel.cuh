@@ -19,8 +19,9 @@
 // below), and the consumers take turns issuing their wgmma (ping-pong), so that one's softmax runs
 // under the others' products. Key blocks are visited first to last: a causal tile then starts on
 // a whole block, whose row maxima the speculative softmax keeps for the rest of the row, and its
-// masked diagonal blocks come last (H17). The epilogue stores O from registers (Q's buffer already holds the next tile's Q),
-// or stages it in the last key block's K stage for a TMA store (FwdConfig::kStagedStore).
+// masked diagonal blocks come last (H17). The epilogue stores O from registers (Q's buffer
+// already holds the next tile's Q), or stages it in the last key block's K stage for a TMA store
+// (FwdConfig::kStagedStore).
 //
 // Shared-memory tiles are the layout TMA writes with the 128-byte swizzle: 64-column panels of
 // 128-byte rows, which wgmma reads through descriptors (ptx_sm90.cuh).
@@ -75,20 +76,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   extern __shared__ char smem[];
   const auto shared = FwdSharedMemory<Cfg>::of(smem);
-  const uint32_t sQ = shared.q;
-  auto sK = [&](int stage) { return shared.k(stage); };
-  auto sV = [&](int stage) { return shared.v(stage); };
-  const uint32_t bias_region = shared.bias_region();
-  const uint32_t q_full = shared.q_full(), q_empty = shared.q_empty();
-  auto k_full = [&](int stage) { return shared.k_full(stage); };
-  auto v_full = [&](int stage) { return shared.v_full(stage); };
-  auto k_empty = [&](int stage) { return shared.k_empty(stage); };
-  auto v_empty = [&](int stage) { return shared.v_empty(stage); };
-  const uint32_t last_s_landed = shared.last_s_landed();
   constexpr bool kBiasTiles = Cfg::kBiasRegionBytes > 0;
-  const uint32_t bias_full = shared.bias_full(), bias_empty = shared.bias_empty();  // kBiasTiles
-  auto tile_slot = [&](int n) { return shared.template tile_slot<Work>(n); };
-  auto tile_slot_ptr = [&](int n) { return shared.template tile_slot_ptr<Work>(n); };
 
   if (threadIdx.x == 0) shared.init_barriers();
   __syncthreads();
@@ -123,20 +111,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   bool started = false;  // this consumer has taken a turn
   // kStagedStore: the K stage holding this consumer's staged O (-1: none), freed once the store
   // has read it, after the next tile's first S is issued (or before the CTA exits); and the
-  // number of tiles staged so far (last_s_landed's phase).
+  // number of tiles staged so far (the phase of shared.last_s_landed()).
   int staged_stage = -1, staged_tiles = 0;
   auto release_staging = [&] {
     if (!kStagedStore || staged_stage < 0) return;
     if (tid == 0) {
       ptx::tma_store_wait_read();
-      ptx::mbarrier_arrive(k_empty(staged_stage), 128u);
+      ptx::mbarrier_arrive(shared.k_empty(staged_stage), 128u);
     }
     staged_stage = -1;
   };
   constexpr int kStoreBarrier = ConsumerTurns<Cfg::kConsumers>::kEnd;  // + consumer: its O staged
   for (int n = 0, it = 0;; ++n) {
-    ptx::mbarrier_wait(q_full, n & 1);
-    const int tile = Work::load_tile(tile_slot_ptr(n));
+    ptx::mbarrier_wait(shared.q_full(), n & 1);
+    const int tile = Work::load_tile(shared.template tile_slot_ptr<Work>(n));
     if (tile < 0) {
       // The last consumer passed its last turn on to consumer 0: take it, so that no arrival is
       // left on a named barrier when the CTA exits.
@@ -145,7 +133,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (kStagedStore && tid == 0) ptx::tma_store_wait_all();
       break;
     }
-    const Work w = kReadsWork ? Work::load(tile_slot_ptr(n), p) : Work::of(tile, p);
+    const Work w = kReadsWork ? Work::load(shared.template tile_slot_ptr<Work>(n), p) : Work::of(tile, p);
     const int q_first = w.q_first, blocks = w.blocks;
     const Band& band = w.band;
 
@@ -163,9 +151,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // (32 bytes each).
     auto issue_s = [&](float (&s)[kSRegs], int j) {
       const int stage = stage_of(j);
-      const uint64_t q_desc = ptx::smem_desc_sw128(sQ + consumer_uniform * 64 * 128, 0);
-      const uint64_t k_desc = ptx::smem_desc_sw128(sK(stage), 0);
-      ptx::mbarrier_wait(k_full(stage), phase_of(j));
+      const uint64_t q_desc = ptx::smem_desc_sw128(shared.q + consumer_uniform * 64 * 128, 0);
+      const uint64_t k_desc = ptx::smem_desc_sw128(shared.k(stage), 0);
+      ptx::mbarrier_wait(shared.k_full(stage), phase_of(j));
       ptx::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
@@ -179,16 +167,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // consumer frees its half once the store has read it (release_staging).
     auto release_k = [&](int j) {
       if (kStagedStore && j == blocks - 1) {
-        ptx::mbarrier_arrive(last_s_landed);
+        ptx::mbarrier_arrive(shared.last_s_landed());
       } else {
-        ptx::mbarrier_arrive(k_empty(stage_of(j)));
+        ptx::mbarrier_arrive(shared.k_empty(stage_of(j)));
       }
-      if (j == blocks - 1) ptx::mbarrier_arrive(q_empty);
+      if (j == blocks - 1) ptx::mbarrier_arrive(shared.q_empty());
     };
     // O += P V_j issued, not waited for (fwd/products.cuh).
     auto issue_pv = [&](const uint32_t (&pa)[kBlockN / 16][4], int j) {
       const int stage = stage_of(j);
-      sm90::issue_pv<Cfg>(o, pa, sV(stage), v_full(stage), phase_of(j));
+      sm90::issue_pv<Cfg>(o, pa, shared.v(stage), shared.v_full(stage), phase_of(j));
     };
     // Soft cap (the kEverything variant: where the call has one), bias and boolean mask, then the
     // band mask (fwd/block_mask.cuh).
@@ -215,11 +203,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if constexpr (kBiasTiles) {
         const auto tiles = Cfg::BiasTiles::of(p, sizeof(T));
         const uint32_t stage = tiles.stage_of(it + j);
-        ptx::mbarrier_wait(bias_full + 8 * stage, tiles.use_of(it + j) & 1);
-        const char* bias_tile = smem + (bias_region - ptx::smem_addr(smem)) + stage * tiles.tile_bytes();
+        ptx::mbarrier_wait(shared.bias_full() + 8 * stage, tiles.use_of(it + j) & 1);
+        const char* bias_tile = smem + (shared.bias_region() - ptx::smem_addr(smem)) + stage * tiles.tile_bytes();
         add_tile_bias_rows<T, typename Cfg::BiasTiles>(s, bias_tile, tiles.bias_bytes, p.bias_fp32,
                                                        tiles.mask_bytes != 0, row_in_tile(0), lane, 1.f / logits.unit);
-        ptx::mbarrier_arrive(bias_empty + 8 * stage);
+        ptx::mbarrier_arrive(shared.bias_empty() + 8 * stage);
       } else if constexpr (kBias) {
         // Made each block from the parameters (constant memory) rather than kept across the
         // tile: its pointers and strides would hold a dozen registers.
@@ -288,8 +276,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // With a cap at H >= 128, each element's tanh and exp2 in one pass, masked after it (to 0,
       // the row's sum taken again): the MUFU bounds the capped softmax, and with no mask between
       // a tanh pass and an exp2 pass the compiler fills the MUFU's gaps with the FMULs and FFMAs
-      // that otherwise ran before each pass, the MUFU idle (H26; slower at H = 64). A masked logit's exp2 against the row's max may overflow to inf
-      // (e^2c), never NaN: the max is finite here.
+      // that otherwise ran before each pass, the MUFU idle (H26; slower at H = 64). A masked
+      // logit's exp2 against the row's max may overflow to inf (e^2c), never NaN: the max is
+      // finite here.
       constexpr bool kCapInOnePass = kSoftcap && kHeadDim >= 128;
       if constexpr (kCapInOnePass) {
 #pragma unroll
@@ -377,7 +366,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         ptx::wgmma_wait<0>();
         fence_o();
         ptx::fence_registers(pa);  // read by that wgmma until now
-        ptx::mbarrier_arrive(v_empty(stage_of(j - 1)));
+        ptx::mbarrier_arrive(shared.v_empty(stage_of(j - 1)));
         rescale_o(o, rescale);
         to_operand<T>(s, pa);
       }
@@ -387,16 +376,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::wgmma_wait<0>();
       fence_o();
       ptx::fence_registers(pa);
-      ptx::mbarrier_arrive(v_empty(stage_of(blocks - 1)));
+      ptx::mbarrier_arrive(shared.v_empty(stage_of(blocks - 1)));
     } else {
-      ptx::mbarrier_arrive(q_empty);  // no Q was loaded
+      ptx::mbarrier_arrive(shared.q_empty());  // no Q was loaded
       release_staging();
     }
 
     // Epilogue: the lse, then O normalised, staged for a TMA store (kStagedStore) or stored
     // straight from registers (fwd/epilogue.cuh). The lse goes first: an instruction after the O
     // stores that reuses their registers waits until they have drained.
-    const FwdTile t = Work::load_tile_coordinates(tile_slot_ptr(n));  // read again: not kept in registers
+    // Read again: not kept in registers.
+    const FwdTile t = Work::load_tile_coordinates(shared.template tile_slot_ptr<Work>(n));
     const int rows_valid = min(kBlockM, p.seqlen_q - q_first);
     float inv[2];
 #pragma unroll
@@ -415,8 +405,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (kStagedStore && blocks > 0) {
       // Into the last block's K stage, once every consumer's last S has read it.
       const int stage = stage_of(blocks - 1);
-      const uint32_t staging = sK(stage) + consumer_uniform * Cfg::kPanels * 64 * 128;
-      ptx::mbarrier_wait(last_s_landed, staged_tiles & 1);
+      const uint32_t staging = shared.k(stage) + consumer_uniform * Cfg::kPanels * 64 * 128;
+      ptx::mbarrier_wait(shared.last_s_landed(), staged_tiles & 1);
       ++staged_tiles;
       store_o_staged<Cfg>(&maps.o, t.head, q_first + consumer_uniform * 64, t.batch, o, inv, staging,
                           kStoreBarrier + consumer_uniform, tid, warp, lane);

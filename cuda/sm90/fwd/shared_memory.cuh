@@ -56,8 +56,6 @@ struct FwdSharedMemory {
   __device__ __forceinline__ const int* tile_slot_ptr(int n) const {
     return reinterpret_cast<const int*>(base + (tile_slot<Work>(n) - ptx::smem_addr(base)));
   }
-  // A generic pointer into the bias region.
-  __device__ __forceinline__ const char* bias_region_ptr() const { return base + (bias_region() - ptx::smem_addr(base)); }
 
   // By thread 0, before the CTA's first __syncthreads.
   __device__ __forceinline__ void init_barriers() const {
