@@ -11,8 +11,9 @@ imports, FlashAttention-3's JAX binding, on the same inputs in one run.
 
 The grid is the FlashAttention papers': 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / d), bf16. FLOPs: forward 4·b·h·s²·d, halved when causal; backward 2.5x the
-forward (with a value head dim dv: forward 2·b·h·s²·(d + dv), backward 2·b·h·s²·(3d + 2dv)). Each time is the median of 6 rounds, one wall-clock loop of every implementation a
-round (10 to 200 calls, about 25 ms), after a warm-up. The rounds interleave the implementations,
+forward (with a value head dim dv: forward 2·b·h·s²·(d + dv), backward 2·b·h·s²·(3d + 2dv)). Each
+time is the median of 6 rounds, one wall-clock loop of every implementation a round (10 to 200
+calls, about 25 ms), after a warm-up. The rounds interleave the implementations,
 ours and the reference back to back, the order reversed every other round, so that a drift of the
 clocks during a run, or an advantage of going first, moves both alike. On a GPU each timed loop
 starts after a 0.1 s rest (REST_SECONDS says why). Backward = (forward + backward) - forward, per
@@ -61,6 +62,11 @@ def grid(on_gpu: bool, quick: bool, head_dims, seqlens=None, heads=None, batch=N
     ]  # fmt: skip
 
 
+def _zero_padded(x, head_dim: int):
+    """x [B, S, N, h] with zero columns up to head_dim."""
+    return jnp.pad(x, [(0, 0)] * 3 + [(0, head_dim - x.shape[-1])])
+
+
 def _equal_dims(attn: Callable) -> Callable:
     """attn(q, k, v, causal) for an implementation that takes equal head dims only (jax.nn's): with
     a value head dim other than the query/key one, the narrower side zero-padded to the wider, the
@@ -70,8 +76,8 @@ def _equal_dims(attn: Callable) -> Callable:
         d, dv = q.shape[-1], v.shape[-1]
         if d == dv:
             return attn(q, k, v, causal)
-        pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, max(d, dv) - x.shape[-1])])  # noqa: E731
-        return attn(pad(q), pad(k), pad(v), causal, scale=d**-0.5)[..., :dv]
+        q, k, v = (_zero_padded(x, max(d, dv)) for x in (q, k, v))
+        return attn(q, k, v, causal, scale=d**-0.5)[..., :dv]
 
     return run
 
@@ -82,8 +88,7 @@ def _value_padded(q, k, v, causal):
     d, dv = q.shape[-1], v.shape[-1]
     if dv >= d:
         raise ValueError("the padded column is for a value head dim below the query/key one")
-    v = jnp.pad(v, [(0, 0)] * 3 + [(0, d - dv)])
-    return jax_flash.attention(q, k, v, is_causal=causal)[..., :dv]
+    return jax_flash.attention(q, k, _zero_padded(v, d), is_causal=causal)[..., :dv]
 
 
 def implementations(on_gpu: bool) -> dict[str, Callable]:
