@@ -1,13 +1,13 @@
 """Greedy generation from a KV cache with the GPT of train_gpt.py: a dense cache and a paged one.
 
     python examples/generate.py                          # trains briefly, then generates
-    python examples/generate.py --batch 8 --cache 16384  # on a GPU: a long cache
+    python examples/generate.py --batch 8 --cache 16384 --prompt-length 16000  # on a GPU: a long context
 
-One step per token: the new token's keys and values are written into the cache (its buffers
-donated, so updated in place), then its query attends to the cache. The prompt goes through the
-step one token at a time (a jitted call each); the new tokens come from one jitted call that loops
-the step on the device, so that tokens/s measures the model rather than the host's dispatch of a
-call per token. Prints the text, tokens/s with jax_flash (dense and paged cache) and with
+A step takes T tokens of every sequence: their keys and values are written into the cache (its
+buffers donated, so updated in place), then their queries attend to the cache. The prompt is one
+step (a chunked prefill: T = its length, at position 0); the new tokens come from one jitted call
+that loops the T = 1 step on the device, so that tokens/s measures the model rather than the
+host's dispatch of a call per token. Prints the text, tokens/s with jax_flash (dense and paged cache) and with
 jax.nn's attention (cuDNN on a GPU, XLA on a CPU) in the same run, their ratio, and the share of
 a step that attention takes (against the same step with attention left out).
 """
@@ -45,16 +45,18 @@ def paged_cache(cfg: Config, batch: int, length: int, seed: int = 0):
 
 
 def write_dense(cache, layer, k, v, position):
-    """k, v: [B, 1, K, H] at `position` (the same for every sequence here)."""
-    put = lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, x, position, axis=1)  # noqa: E731
-    return {"k": cache["k"].at[layer].set(put(cache["k"][layer], k)),
-            "v": cache["v"].at[layer].set(put(cache["v"][layer], v))}  # fmt: skip
+    """k, v: [B, T, K, H] at positions [position, position + T) (the same for every sequence here).
+    One update of the whole [layers, ...] buffer, which XLA does in place (a slice of the layer,
+    updated and put back, copied the layer's cache every step)."""
+    put = lambda c, x: jax.lax.dynamic_update_slice(c, x[None], (layer, 0, position, 0, 0))  # noqa: E731
+    return {"k": put(cache["k"], k), "v": put(cache["v"], v)}
 
 
 def write_paged(cache, layer, k, v, position):
-    page, slot = cache["table"][:, position // PAGE_SIZE], position % PAGE_SIZE
-    return {**cache, "k": cache["k"].at[layer, page, slot].set(k[:, 0]),
-            "v": cache["v"].at[layer, page, slot].set(v[:, 0])}  # fmt: skip
+    positions = position + jnp.arange(k.shape[1])
+    page, slot = cache["table"][:, positions // PAGE_SIZE], positions % PAGE_SIZE  # [B, T], [T]
+    return {**cache, "k": cache["k"].at[layer, page, slot].set(k),
+            "v": cache["v"].at[layer, page, slot].set(v)}  # fmt: skip
 
 
 ATTENTION = {  # name -> (make cache, write, attend(q, cache, layer, lengths))
@@ -62,32 +64,36 @@ ATTENTION = {  # name -> (make cache, write, attend(q, cache, layer, lengths))
         q, c["k"][layer], c["v"][layer], is_causal=True, key_value_seq_lengths=lengths)),
     "jax_flash paged": (paged_cache, write_paged, lambda q, c, layer, lengths: jax_flash.paged_attention(
         q, c["k"][layer], c["v"][layer], lengths, c["table"], is_causal=True)),
+    # jax.nn's causal mask is aligned top-left: right for the prompt (T > 1 only at position 0); a
+    # T = 1 step sees every key up to its length.
     "jax.nn": (dense_cache, write_dense, lambda q, c, layer, lengths: jax.nn.dot_product_attention(
-        q, c["k"][layer], c["v"][layer], key_value_seq_lengths=lengths,
+        q, c["k"][layer], c["v"][layer], key_value_seq_lengths=lengths, is_causal=q.shape[1] > 1,
         implementation="cudnn" if jax.default_backend() == "gpu" else "xla")),
     "no attention": (dense_cache, write_dense, lambda q, c, layer, lengths: jnp.zeros_like(q)),
 }  # fmt: skip
 
 
 def make_step(graphdef, name: str):
-    """step(params, cache, tokens [B, 1], position) -> (next tokens [B, 1], cache): one token of
-    every sequence through the model, its keys and values written into the cache first."""
+    """step(params, cache, tokens [B, T], position) -> (next tokens [B, 1], cache): T tokens of
+    every sequence (at positions [position, position + T)) through the model, their keys and
+    values written into the cache first; the next token follows the last."""
     _, write, attend = ATTENTION[name]
 
     def step(params, cache, tokens, position):
         model = nnx.merge(graphdef, params)
         x = model.embed(tokens)
-        lengths = jnp.full((tokens.shape[0],), position + 1, jnp.int32)
+        positions = position + jnp.arange(tokens.shape[1])
+        lengths = jnp.full((tokens.shape[0],), position + tokens.shape[1], jnp.int32)
         for layer, block in enumerate(model.blocks):
             attn, h = block.attn, block.norm1(x)
             split = lambda y, heads: y.reshape(y.shape[:-1] + (heads, attn.head_dim))  # noqa: E731,B023
-            q = apply_rotary(split(attn.query(h), attn.num_heads), position[None], attn.rope_base)
-            k = apply_rotary(split(attn.key(h), attn.num_kv_heads), position[None], attn.rope_base)
+            q = apply_rotary(split(attn.query(h), attn.num_heads), positions, attn.rope_base)
+            k = apply_rotary(split(attn.key(h), attn.num_kv_heads), positions, attn.rope_base)
             cache = write(cache, layer, k, split(attn.value(h), attn.num_kv_heads), position)
             out = attend(q, cache, layer, lengths)
             x = x + attn.out(out.reshape(out.shape[:-2] + (-1,)))
             x = x + block.down(jax.nn.gelu(block.up(block.norm2(x))))
-        logits = model.head(model.norm(x)).astype(jnp.float32)
+        logits = model.head(model.norm(x[:, -1:])).astype(jnp.float32)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
     return step
@@ -95,7 +101,7 @@ def make_step(graphdef, name: str):
 
 def make_generators(graphdef, name: str):
     """(prefill, decode), each jitted with the cache donated (updated in place):
-    prefill(params, cache, token, position) feeds one prompt token; decode(params, cache, tokens,
+    prefill(params, cache, prompt [B, P], 0) feeds the prompt in one step; decode(params, cache, tokens,
     position, n) generates n tokens greedily in one call (a loop of steps on the device, so that
     the host's dispatch of each step does not set the pace)."""
     step = make_step(graphdef, name)
@@ -116,24 +122,22 @@ def make_generators(graphdef, name: str):
 
 
 def generate(generators, params, cfg: Config, name: str, prompt: np.ndarray, new_tokens: int, cache_length: int):
-    """Greedy continuation of `prompt` [B, P]: (tokens [B, P + 2 (new_tokens // 2)], seconds per
-    new token). The new tokens come from two decode calls of new_tokens // 2 each (the first
-    compiles on a fresh run); the second is timed."""
+    """Greedy continuation of `prompt` [B, P]: (tokens [B, P + 1 + 2 (new_tokens // 2)], seconds per
+    new token). The prompt is one prefill step, which gives the first new token; the others come
+    from two decode calls of new_tokens // 2 each (the first compiles on a fresh run); the second
+    is timed."""
     prefill, decode = generators
     batch, prompt_length = prompt.shape
     cache = ATTENTION[name][0](cfg, batch, cache_length)
-    for position in range(prompt_length - 1):
-        _, cache = prefill(params, cache, jnp.asarray(prompt[:, position : position + 1]), jnp.int32(position))
-    tokens, out = jnp.asarray(prompt[:, -1:]), [prompt]
+    token, cache = prefill(params, cache, jnp.asarray(prompt), jnp.int32(0))
     half = max(1, new_tokens // 2)
-    position = prompt_length - 1
-    first, cache = decode(params, cache, tokens, jnp.int32(position), half)
+    first, cache = decode(params, cache, token, jnp.int32(prompt_length), half)
     last = jax.block_until_ready(first[:, -1:])  # sliced before the clock: a slice compiles on first use
     start = time.perf_counter()
-    second, cache = decode(params, cache, last, jnp.int32(position + half), half)
+    second, cache = decode(params, cache, last, jnp.int32(prompt_length + half), half)
     jax.block_until_ready(second)
     seconds = (time.perf_counter() - start) / half
-    return np.concatenate([prompt, np.asarray(first), np.asarray(second)], axis=1), seconds
+    return np.concatenate([prompt, np.asarray(token), np.asarray(first), np.asarray(second)], axis=1), seconds
 
 
 def main(argv=None):
@@ -141,6 +145,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--cache", type=int, default=4096 if on_gpu else 256, help="cache buffer length")
+    parser.add_argument("--prompt-length", type=int, default=0,
+                        help="tokens of context before generating: the training text cut to this length (the model "
+                             "was trained on 128, so past that the text is noise, but the timing is a long context's); "
+                             "0: a short prompt")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--train-steps", type=int, default=200 if on_gpu else 60)
     parser.add_argument("--rounds", type=int, default=5 if on_gpu else 1, help="generations of each implementation")
@@ -149,11 +157,14 @@ def main(argv=None):
     cfg = Config(vocab=len(chars), seq=128, width=512 if on_gpu else 128, heads=8 if on_gpu else 4,
                  kv_heads=4 if on_gpu else 2, layers=4 if on_gpu else 2,
                  dtype=jnp.bfloat16 if on_gpu else jnp.float32)  # fmt: skip
-    print(f"device: {jax.devices()[0].device_kind}; batch {args.batch}, cache {args.cache}; training "
+    print(f"device: {jax.devices()[0].device_kind}; batch {args.batch}, cache {args.cache}, prompt "
+          f"{args.prompt_length or 'short'}; training "
           f"{args.train_steps} steps first")
     graphdef, _ = nnx.split(GPT(cfg, jax_flash.attention, nnx.Rngs(0)))
     _, _, params = train(cfg, jax_flash.attention, args.train_steps, 16, log_every=10**9, quiet=True)
-    prompt_text = "Attention lets every position"
+    prompt_text = np.resize(list(CORPUS), args.prompt_length) if args.prompt_length else "Attention lets every position"
+    if len(prompt_text) >= args.cache:
+        parser.error(f"--prompt-length must be below --cache ({args.cache}), got {len(prompt_text)}")
     prompt = np.tile(np.asarray([[chars.index(c) for c in prompt_text]], np.int32), (args.batch, 1))
     new_tokens = min(args.new_tokens, args.cache - prompt.shape[1])
     # Interleaved rounds, each implementation first in turn; the median time a token of each.
@@ -164,8 +175,8 @@ def main(argv=None):
         for name in names[round_ % len(names):] + names[: round_ % len(names)]:
             runs[name].append(generate(generators[name], params, cfg, name, prompt, new_tokens, args.cache))
     results = {name: (done[0][0], statistics.median(seconds for _, seconds in done)) for name, done in runs.items()}
-    text = "".join(chars[i] for i in results["jax_flash"][0][0])
-    print(f"generated: {text!r}")
+    shown = results["jax_flash"][0][0][max(0, prompt.shape[1] - 40):]  # the prompt's last 40 tokens, then the new
+    print(f"generated: {''.join(chars[i] for i in shown)!r}")
     for name, (tokens, seconds) in results.items():
         same = "same tokens" if np.array_equal(tokens, results["jax_flash"][0]) else "other tokens"
         print(f"{name:16s} {seconds * 1e3:7.3f} ms/step  {args.batch / seconds:10,.0f} tokens/s  ({same})")
