@@ -26,6 +26,10 @@ MAX_GRID_YZ = 65535
 # already streams at 88-90% of HBM, and 33 splits at 1 x 128k ran slower than 16 (docs/perf/log.md,
 # decode D2 and D7).
 CTAS_PER_SM = 1
+# Tiles (as a share of the slots) from which one split is enough: 64 CTAs on 132 SMs, each
+# streaming one tile's keys, read at 89-92% of HBM, faster than 2 splits with their combine
+# (docs/perf/log.md, decode D8).
+ONE_SPLIT_SHARE = 0.45
 # "0": never the decode kernels (the forward kernels take every call, to compare the two);
 # "1" or unset: wherever `takes` says.
 DECODE_ENV = "JAX_FLASH_DECODE"
@@ -59,7 +63,7 @@ def sm_count() -> int:
 
 def splits(batch: int, queries: int, heads: int, kv_heads: int, seqlen_k: int, head_dim: int) -> int:
     """Splits of each row tile's keys, from the wave-efficiency of CTAS_PER_SM CTAs an SM. With
-    enough tiles to fill the GPU, one. Otherwise as many as still fit one wave (every SM streams,
+    tiles for ONE_SPLIT_SHARE of the slots or more, one. Otherwise as many as still fit one wave (every SM streams,
     and one wave has no tail), if that wave is at least 85% as efficient as the best split
     count's; else the fewest splits that are (FlashAttention's rule). Each warp keeps at least one
     block of keys."""
@@ -68,7 +72,7 @@ def splits(batch: int, queries: int, heads: int, kv_heads: int, seqlen_k: int, h
         return max(1, min(MAX_SPLITS, int(forced)))
     tiles = batch * kv_heads * row_tiles(queries, heads, kv_heads)
     slots = CTAS_PER_SM * sm_count()
-    if tiles >= 0.8 * slots:
+    if tiles >= ONE_SPLIT_SHARE * slots:
         return 1
     warps = 4 if head_dim <= 128 else 2
     most = max(1, min(MAX_SPLITS, -(-seqlen_k // BLOCK_KEYS) // warps))
