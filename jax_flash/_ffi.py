@@ -185,7 +185,7 @@ def decode(config, q, k, v, kv_lengths, page_table):
         def kernel(q, k, v, kv_lengths, page_table):
             b, t, n, h = q.shape
             seqlen_k = k.shape[1] * page_table.shape[1] if paged else k.shape[1]
-            splits = _decode.splits(b, t, n, k.shape[2], seqlen_k, h)
+            splits = _decode.splits(b, t, n, k.shape[2], seqlen_k, h, paged=paged)
             scratch = (splits, b, t, n) if splits > 1 else (0,)
             result_types = (
                 jax.ShapeDtypeStruct(q.shape, q.dtype),

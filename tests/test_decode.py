@@ -53,6 +53,14 @@ def test_split_rule(batch, kv_heads, cache, expected, monkeypatch):
     assert 1 <= splits <= _decode.MAX_SPLITS and (splits == 1 or tiles * splits <= 2 * 132)
 
 
+def test_split_rule_of_a_paged_cache(monkeypatch):
+    # 64 tiles: one split for a dense cache, two (128 CTAs, hiding the page lookups) for a paged one
+    monkeypatch.setattr(_decode, "sm_count", lambda: 132)
+    assert _decode.splits(8, 1, 32, 8, 32768, 128) == 1
+    assert _decode.splits(8, 1, 32, 8, 32768, 128, paged=True) == 2
+    assert _decode.splits(64, 1, 32, 8, 4096, 128, paged=True) == 1
+
+
 def test_split_rule_forced_and_bounded(monkeypatch):
     monkeypatch.setenv(_decode.SPLITS_ENV, "7")
     assert _decode.splits(1, 1, 8, 8, 1 << 20, 64) == 7
