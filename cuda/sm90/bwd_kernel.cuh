@@ -25,6 +25,11 @@
 //
 // Shared-memory tiles are the layout TMA writes with the 128-byte swizzle: 64-column panels of
 // 128-byte rows (sm90/fwd_kernel.cuh); wgmma reads them K-major or MN-major through descriptors.
+//
+// The pieces, in sm90/bwd/: config.cuh (tile shapes and offsets), shared_memory.cuh (tiles and
+// barriers), products.cuh (the wgmma products), band_mask.cuh (S^T's mask), bias_grad.cuh
+// (dbias), dq_adder.cuh (the producer's dQ thread), epilogue.cuh (dK and dV out); the stage copies
+// are sm90/bwd_stages.cuh.
 #pragma once
 
 #include <cuda.h>
@@ -39,7 +44,13 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "sm90/bwd/bias_grad.cuh"
+#include "sm90/bwd/band_mask.cuh"
 #include "sm90/bwd/config.cuh"
+#include "sm90/bwd/epilogue.cuh"
+#include "sm90/bwd/products.cuh"
+#include "sm90/bwd/dq_adder.cuh"
+#include "sm90/bwd/shared_memory.cuh"
 #include "sm90/bwd_bias_tiles.cuh"
 #include "sm90/bwd_stages.cuh"
 #include "sm90/dq_tiles.cuh"
@@ -81,47 +92,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   static_assert(kDvAfterDs || !kDqFirst, "dV is issued at one place of the step");
 
   extern __shared__ char smem[];
-  const uint32_t align = (1024 - (ptx::smem_addr(smem) & 1023)) & 1023;
-  char* const base = smem + align;
-  const uint32_t base_addr = ptx::smem_addr(smem) + align;
-  const uint32_t sK = base_addr + Cfg::kK, sV = base_addr + Cfg::kV;
-  auto sQ = [&](int stage) { return base_addr + Cfg::kQ + stage * Cfg::kQBytes; };
-  auto sDo = [&](int stage) { return base_addr + Cfg::kDo + stage * Cfg::kQBytes; };
-  auto sDs = [&](int s) { return base_addr + Cfg::kDs + (s % Cfg::kDsBuffers) * Cfg::kDsBytes; };
-  auto sLse = [&](int stage) { return base_addr + Cfg::kLse + stage * Cfg::kStatBytes; };
-  auto sDelta = [&](int stage) { return base_addr + Cfg::kDelta + stage * Cfg::kStatBytes; };
-  const BwdBarriers<kStages> barriers{base_addr + Cfg::kBarriers};
-  // After them, the dQ part buffers' barriers: "full" when a consumer has written one, "empty"
-  // when its add has read it.
-  const uint32_t dq_barriers = barriers.first + 8 * BwdBarriers<kStages>::kCount;
-  constexpr int kDqSlots = Cfg::kConsumers * Cfg::kDqBuffers;
-  auto dq_full = [&](int consumer, int buffer) {
-    return dq_barriers + 8 * (consumer * Cfg::kDqBuffers + buffer);
-  };
-  auto dq_empty = [&](int consumer, int buffer) {
-    return dq_barriers + 8 * (kDqSlots + consumer * Cfg::kDqBuffers + buffer);
-  };
-  // kBias: then the bias tiles' stage barriers, two "full" and two "empty".
-  const uint32_t bias_full = dq_barriers + 8 * 2 * kDqSlots, bias_empty = bias_full + 16;
-  auto sDq = [&](int consumer, int buffer) {
-    return base_addr + Cfg::kDq + (consumer * Cfg::kDqBuffers + buffer) * Cfg::kDqBytes;
-  };
-
-  if (threadIdx.x == 0) {
-    barriers.init(kConsumerThreads);
-    for (int c = 0; c < Cfg::kConsumers; ++c)
-      for (int b = 0; b < Cfg::kDqBuffers; ++b) {
-        ptx::mbarrier_init(dq_full(c, b), 128);
-        ptx::mbarrier_init(dq_empty(c, b), 1);
-      }
-    if constexpr (kBias) {
-      for (int stage = 0; stage < 2; ++stage) {
-        ptx::mbarrier_init(bias_full + 8 * stage, 1);
-        ptx::mbarrier_init(bias_empty + 8 * stage, kConsumerThreads);
-      }
-    }
-    ptx::fence_barrier_init();
-  }
+  const auto sm = BwdSharedMemory<Cfg>::of(smem);
+  const BwdBarriers<kStages> barriers = sm.stages();
+  if (threadIdx.x == 0) sm.template init_barriers<kBias>();
   __syncthreads();
 
   const bool dbias_shared = kBiasGrad && BiasGrad::shared_by_ctas(p);
@@ -142,71 +115,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     const BwdWalk walk = make_walk();
     if (threadIdx.x == 0 && walk.steps > 0) {
-      produce_bwd_stages<Cfg>(maps, p, walk, barriers, base_addr, batch, kv_head, k_first);
+      produce_bwd_stages<Cfg>(maps, p, walk, barriers, sm.base_addr, batch, kv_head, k_first);
     } else if (kBias && threadIdx.x == 64 && walk.steps > 0) {
-      load_bias_tiles<T, typename Cfg::BiasTiles>(&maps.bias, &maps.mask, p, walk, base_addr + Cfg::kBiasTiles,
-                                                  bias_full, bias_empty, batch, kv_head, k_first);
+      load_bias_tiles<T, typename Cfg::BiasTiles>(&maps.bias, &maps.mask, p, walk, sm.base_addr + Cfg::kBiasTiles,
+                                                  sm.bias_full(), sm.bias_empty(), batch, kv_head, k_first);
     } else if (threadIdx.x == 32) {
-      // The dQ adds, in the consumers' order; rows past seqlen_q go to the accumulator's padding.
-      // In deterministic mode each waits for the turn of this key block (common/bwd_walk.cuh) and
-      // is complete before the turn passes on. Otherwise, with dQ tickets (params.h), the first
-      // CTA at a query block stores its part and marks it stored once complete; the others add
-      // theirs after that mark. Each step's ticket is taken a step ahead, so that its round trip
-      // runs under the wait for the consumers. A CTA waits only at a block another CTA stores
-      // first, which does not wait there; any wait that CTA meets before is at a block earlier in
-      // the order that every walk over the head's blocks shares (last block first, head by head),
-      // so no chain of waits can go round in a circle.
-      BwdStep step = BwdStep::first(walk, kv_head * group);
-      // Made where used (the producer has 24 registers): a pointer kept across the step spilled.
-      auto ticket_of = [&, batch = batch](const BwdStep& at) {
-        return dq_ticket(p, batch * p.heads + at.head, at.m_block, kBlockM);
-      };
-      int arrivals_before = p.dq_tickets != nullptr && walk.steps > 0 ? atomicAdd(ticket_of(step), 1) : 0;
-      for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
-        const int buffer = s % Cfg::kDqBuffers, use = s / Cfg::kDqBuffers;
-        int* turn = nullptr;
-        if (Cfg::kRunsDeterministic && p.dq_turns != nullptr) {
-          turn = wait_dq_turn(p.dq_turns + (int64_t(batch) * p.heads + step.head) * (p.stats_stride / 64),
-                              band.without_segments(), step.m_block, n_block, kBlockM, kBlockN);
-          ptx::fence_proxy_async_global();
-        }
-        const bool stores = p.dq_tickets != nullptr && arrivals_before == 0;
-        if (p.dq_tickets != nullptr) {
-          if (!stores) {
-            while ((ptx::ld_acquire(ticket_of(step)) & kDqStored) == 0) {
-            }
-            ptx::fence_proxy_async_global();
-          }
-          if (s + 1 < walk.steps) {
-            BwdStep next = step;
-            next.advance(walk);
-            arrivals_before = atomicAdd(ticket_of(next), 1);
-          }
-        }
-        for (int c = 0; c < Cfg::kConsumers; ++c) {
-          ptx::mbarrier_wait(dq_full(c, buffer), use & 1);
-          const int row_block = (step.m_block * kBlockM + Cfg::dq_row0(c)) / Cfg::Dq::kRows;
-          float* const dst = p.dq_accum + Cfg::Dq::tile(p, batch, step.head, row_block, Cfg::dq_column0(c) / 64);
-          if (stores) {
-            ptx::bulk_store(dst, sDq(c, buffer), Cfg::kDqBytes);
-          } else {
-            ptx::bulk_reduce_add_f32(dst, sDq(c, buffer), Cfg::kDqBytes);
-          }
-        }
-        ptx::tma_store_commit();
-        if (turn != nullptr || stores) {
-          ptx::tma_store_wait_all();
-          ptx::fence_proxy_async_global();
-          if (stores) {
-            ptx::red_release_add(ticket_of(step), kDqStored);
-          } else {
-            ptx::red_release_add(turn, 1);
-          }
-        } else {
-          ptx::tma_store_wait_read();
-        }
-        for (int c = 0; c < Cfg::kConsumers; ++c) ptx::mbarrier_arrive(dq_empty(c, buffer));
-      }
+      add_dq_parts<Cfg>(p, sm, walk, band, batch, kv_head, group, n_block);
     }
     return;
   }
@@ -261,46 +175,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
 
-  // S^T = K Q^T or dP^T = V dO^T of step s issued: k16 steps along the head dim, 4 per 64-column
-  // panel; `keys` is K or V, `queries` the stage's Q or dO, `full` its barrier (0: already waited
-  // for).
-  constexpr int kSRegs = kBlockM / 2;  // 64 keys x kBlockM queries
-  auto issue_transposed = [&](float (&acc)[kSRegs], uint32_t keys, uint32_t queries, uint32_t full, int s) {
-    const uint64_t key_desc = ptx::smem_desc_sw128(keys + consumer_uniform * 64 * 128, 0);
-    const uint64_t query_desc = ptx::smem_desc_sw128(queries, 0);
-    if (full != 0) ptx::mbarrier_wait(full, (s / kStages) & 1);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      ptx::wgmma_ss(acc, ptx::desc_advance(key_desc, (ks / 4) * kBlockN * 128 + (ks % 4) * 32),
-                    ptx::desc_advance(query_desc, (ks / 4) * kBlockM * 128 + (ks % 4) * 32), ks > 0, T{});
-    }
-    ptx::wgmma_commit();
-  };
-
-  // acc (dK or dV) += A B issued, A from registers (dS^T or P^T: k16 steps over the step's
-  // queries), B the stage's Q or dO, MN-major here (queries are K, columns N).
-  auto issue_over_queries = [&](float (&acc)[kHeadDim / 2], const uint32_t (&a)[kBlockM / 16][4],
-                                uint32_t queries) {
-    const uint64_t desc = ptx::smem_desc_sw128(queries, kBlockM * 128);
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) ptx::wgmma_rs(acc, a[kk], ptx::desc_advance(desc, kk * 2048), T{});
-    ptx::wgmma_commit();
-  };
+  constexpr int kSRegs = kBlockM / 2;  // S^T, dP^T: 64 keys x kBlockM queries
 
   if (walk.steps > 0) ptx::mbarrier_wait(barriers.kv_full(), 0);
   BwdStep step = BwdStep::first(walk, kv_head * group);
   for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
     const int stage = s % kStages;
     const int q_first = step.m_block * kBlockM;
-    const uint32_t ds_buffer = sDs(s);
+    const uint32_t ds_buffer = sm.ds(s);
     float st[kSRegs], dpt[kSRegs];
     // Taken before the products: taken after them, its bounds' registers made the lse spill.
     const bool whole = band.all_visible(q_first, q_first + kBlockM - 1, key0, key0 + 63);
     // This thread's columns' statistics (two adjacent queries per n8 tile): stats(stage base)[n]
     // = values of columns accum_col(4 n), accum_col(4 n) + 1.
     auto stats_of_tile = [&](uint32_t stats, int n) {
-      const char* stage_stats = base + (stats - base_addr);
+      const char* stage_stats = sm.generic(stats);
       if constexpr (kCappedStep) {
         // The same address from accum_col: with a cap, this form (not stats_offset + n * 32) is the
         // one that keeps the H = 64 kernel free of spills.
@@ -319,12 +208,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     float2 lse[kBlockM / 8];
     if constexpr (kEarlyLse) {
       ptx::mbarrier_wait(barriers.q_full(stage), (s / kStages) & 1);
-      load_stats(sLse(stage), lse);
+      load_stats(sm.lse(stage), lse);
     }
     // Not waited for again: behind the loads, the barrier's test waited its turn in the same queue
     // (B16).
-    issue_transposed(st, sK, sQ(stage), kEarlyLse ? 0u : barriers.q_full(stage), s);
-    issue_transposed(dpt, sV, sDo(stage), barriers.do_full(stage), s);
+    issue_transposed<Cfg>(st, sm.k(), sm.q(stage), kEarlyLse ? 0u : barriers.q_full(stage), s, consumer_uniform);
+    issue_transposed<Cfg>(dpt, sm.v(), sm.d_o(stage), barriers.do_full(stage), s, consumer_uniform);
 
     // P^T, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
     ptx::wgmma_wait<kCappedStep ? 0 : 1>();
@@ -341,7 +230,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int n = 0; n < kBlockM / 8; ++n) {
         // delta by volatile loads, one n8 tile at a time: as plain loads ptxas hoisted them all
         // ahead of the loop, and at H = 64 (128-query steps) spilled 8 bytes.
-        const uint32_t d_addr = sDelta(stage) + accum_col(4 * n) * 4;
+        const uint32_t d_addr = sm.delta(stage) + accum_col(4 * n) * 4;
         const float2 d = {__uint_as_float(ptx::ld_shared_b32(d_addr)), __uint_as_float(ptx::ld_shared_b32(d_addr + 4))};
 #pragma unroll
         for (int i = 4 * n; i < 4 * n + 4; ++i) {
@@ -358,30 +247,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if constexpr (kBias) {
       const auto tiles = Cfg::BiasTiles::of(p, sizeof(T));
       const uint32_t bias_stage = tiles.stage_of(s);
-      ptx::mbarrier_wait(bias_full + 8 * bias_stage, tiles.use_of(s) & 1);
-      const char* tile = base + Cfg::kBiasTiles + bias_stage * tiles.tile_bytes();
+      ptx::mbarrier_wait(sm.bias_full() + 8 * bias_stage, tiles.use_of(s) & 1);
+      const char* tile = sm.base + Cfg::kBiasTiles + bias_stage * tiles.tile_bytes();
       add_tile_bias<T, typename Cfg::BiasTiles>(st, tile, tiles.bias_bytes, p.bias_fp32, tiles.mask_bytes != 0,
                        key0 - k_first + warp * 16 + lane / 4, accum_col(0), 1.f / logits.unit);
-      ptx::mbarrier_arrive(bias_empty + 8 * bias_stage);
+      ptx::mbarrier_arrive(sm.bias_empty() + 8 * bias_stage);
     }
-    if (!whole) {
-      const int k0 = key0 + warp * 16 + lane / 4;  // this thread's keys: k0 and k0 + 8
-      const Range seeing[2] = {band.queries_seeing(k0), band.queries_seeing(k0 + 8)};
-      // A step inside one document (its diagonal) compares no ids, two loads an element (only
-      // in the masked kernel: the test's registers made the capped and bias kernels spill).
-      const Range one = kVariant == Variant::kMasked ? band.queries_of_one_segment(key0, key0 + 63) : Range{0, 0};
-      const bool compare_ids = q_first < one.begin || q_first + kBlockM > one.end;
-#pragma unroll
-      for (int i = 0; i < kSRegs; ++i) {
-        const int r = (i % 4) / 2, q = q_first + accum_col(i);
-        if (q < seeing[r].begin || q >= seeing[r].end || (compare_ids && !band.same_segment(q, k0 + 8 * r))) {
-          st[i] = -INFINITY;
-        }
-      }
-    }
+    if (!whole) mask_transposed_scores<kVariant>(st, band, q_first, key0, warp, lane);
 #pragma unroll
     for (int n = 0; n < kBlockM / 8; ++n) {
-      const float2 l = kEarlyLse ? lse[n] : stats_of_tile(sLse(stage), n);
+      const float2 l = kEarlyLse ? lse[n] : stats_of_tile(sm.lse(stage), n);
 #pragma unroll
       for (int i = 4 * n; i < 4 * n + 4; ++i) st[i] = ptx::exp2(st[i] * scale_log2 - (i % 2 ? l.y : l.x));
     }
@@ -395,12 +270,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // delta, read before dV is issued (so ahead of its operand reads), except with a cap (folded
     // into dpt above), so that the FMULs scaling it do not wait for it (B16).
     float2 delta[kBlockM / 8];  // unused with a cap
-    if constexpr (!kCappedStep) load_stats(sDelta(stage), delta);
+    if constexpr (!kCappedStep) load_stats(sm.delta(stage), delta);
 
     // dV += P^T dO, here or after dS^T (kDvAfterDs).
     auto issue_dv = [&] {
       ptx::wgmma_fence();
-      issue_over_queries(dv, pa, sDo(stage));
+      issue_over_queries<Cfg>(dv, pa, sm.d_o(stage));
     };
     if constexpr (!kDvAfterDs) issue_dv();
 
@@ -412,42 +287,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // With kBiasGrad, d logit = P^T (dP^T - delta) goes into dbias (add_bias_grad).
     const BiasGrad dbias = kBiasGrad ? BiasGrad::from(p, batch, step.head) : BiasGrad{};
     const int dbias_key = key0 + warp * 16 + lane / 4, dbias_query = q_first + (lane % 4) * 2;
-    // grad[j]: d logit of elements 8 kk + 2 j, + 1 (key dbias_key + 8 (j % 2), queries
-    // dbias_query + 8 (j / 2) + 0, 1 of the kk-th 16). Where the keys of a row lie in aligned fours,
-    // the four lanes holding four adjacent keys exchange their values (a 4 x 4 transpose across
-    // lanes 4 apart), so that each adds four keys of one query in one request: a quarter of the
-    // requests of one add an element, which held the learned-bias backward at 1.5x the other's.
-    // Otherwise each element is added alone, from this thread's first element's address and
-    // constant multiples of the strides (addresses computed per element spilled more). Masked
-    // elements (P = 0) add nothing.
-    auto add_bias_grad = [&](const float2 (&grad)[4], int kk) {
-      if (dbias.in_fours(p.seqlen_k)) {
-        const int g = (lane / 4) % 4;  // which of the four lanes; queries m = 0..3 of each
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          uint32_t v[4] = {__float_as_uint(grad[r].x), __float_as_uint(grad[r].y), __float_as_uint(grad[r + 2].x),
-                           __float_as_uint(grad[r + 2].y)};
-          ptx::transpose_4x4(v, g, 4);  // now keys 0..3 of query m = g
-          const int q = dbias_query + kk * 16 + (g % 2) + 8 * (g / 2), k = dbias_key - g + 8 * r;
-          const bool any = (v[0] | v[1] | v[2] | v[3]) << 1;  // not all +-0
-          if (any && q < p.seqlen_q && k < p.seqlen_k) {
-            ptx::red_add_f32x4(dbias.dbias + q * dbias.row + k, __uint_as_float(v[0]), __uint_as_float(v[1]),
-                               __uint_as_float(v[2]), __uint_as_float(v[3]));
-          }
-        }
-        return;
-      }
-      float* at = dbias.dbias + dbias_query * dbias.row + dbias_key * dbias.col + kk * 16 * dbias.row;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int r = j % 2, q = dbias_query + kk * 16 + 8 * (j / 2);
-        float* const row = at + 8 * (j / 2) * dbias.row + 8 * r * dbias.col;
-        if (dbias_key + 8 * r < p.seqlen_k) {
-          if (grad[j].x != 0.f && q < p.seqlen_q) atomicAdd(row, grad[j].x);
-          if (grad[j].y != 0.f && q + 1 < p.seqlen_q) atomicAdd(row + dbias.row, grad[j].y);
-        }
-      }
-    };
     uint32_t dsa[kBlockM / 16][4];
     // dsa[kk][m] is the 8 x 8 tile of keys (m % 2) * 8 of this warp's 16 and queries
     // (2 kk + m / 2) * 8: to shared memory for dQ by stmatrix, lane 8 m + r giving the address of
@@ -488,7 +327,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         ptx::stmatrix_x4(ds_lane_addr + (kk / 4) * Cfg::kDsPanelBytes + (((2 * kk) % 8 * 16) ^ ds_chunk_bits),
                          dsa[kk][0], dsa[kk][1], dsa[kk][2], dsa[kk][3]);
       }
-      if constexpr (kBiasGrad) add_bias_grad(grad, kk);
+      if constexpr (kBiasGrad) add_bias_grad(dbias, p, grad, kk, lane, dbias_query, dbias_key);
     }
 
     if constexpr (kDvAfterDs && !kDqFirst) issue_dv();
@@ -497,33 +336,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::fence_proxy_async_shared();  // the dS stores, before wgmma reads them
     ptx::named_barrier_sync(3, kConsumerThreads);
     float dq[Cfg::Dq::kChunks * 4];
-    ptx::wgmma_fence();
-    if constexpr (Cfg::kDqTransposed) {
-      // dQ^T = K^T dS^T: K^T (this consumer's 64-column panel of K) is A MN-major, dS^T is B
-      // K-major (dS rows are queries, in 64-key panels).
-      const uint64_t k_desc = ptx::smem_desc_sw128(sK + (Cfg::dq_column0(consumer_uniform) / 64) * kBlockN * 128, 0);
-      const uint64_t ds_desc = ptx::smem_desc_sw128(ds_buffer, 0);
-#pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        ptx::wgmma_ss<1, 0>(dq, ptx::desc_advance(k_desc, ks * 2048),
-                            ptx::desc_advance(ds_desc, (ks / 4) * Cfg::kDsPanelBytes + (ks % 4) * 32), ks > 0, T{});
-      }
-    } else {
-      // dQ = dS K: dS^T (keys x queries) is A MN-major, K is B MN-major.
-      const uint64_t ds_desc =
-          ptx::smem_desc_sw128(ds_buffer + (Cfg::dq_row0(consumer_uniform) / 64) * Cfg::kDsPanelBytes, 0);
-      const uint64_t k_desc = ptx::smem_desc_sw128(sK + (Cfg::dq_column0(consumer_uniform) / 64) * kBlockN * 128, 0);
-#pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        ptx::wgmma_ss<1, 1>(dq, ptx::desc_advance(ds_desc, ks * 2048), ptx::desc_advance(k_desc, ks * 2048), ks > 0,
-                            T{});
-      }
-    }
-    ptx::wgmma_commit();
+    issue_dq<Cfg>(dq, sm.k(), ds_buffer, consumer_uniform);
     if constexpr (kDqFirst) issue_dv();
 
     // dK += dS^T Q.
-    issue_over_queries(dk, dsa, sQ(stage));
+    issue_over_queries<Cfg>(dk, dsa, sm.q(stage));
     // The thread index for the dQ stores, read again each step rather than kept from the top of the
     // kernel (kept, it held a register across the step and ptxas spilled 16 bytes at H = 64), and
     // read before the wait, so that its S2R's latency passes under it (B20).
@@ -541,16 +358,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // dQ to shared memory in the accumulator's tile order (sm90/dq_tiles.cuh), for the producer's
     // dQ thread to add.
     const int dq_buffer = s % Cfg::kDqBuffers, dq_use = s / Cfg::kDqBuffers;
-    if (dq_use > 0) ptx::mbarrier_wait(dq_empty(consumer, dq_buffer), (dq_use - 1) & 1);
+    if (dq_use > 0) ptx::mbarrier_wait(sm.dq_empty(consumer, dq_buffer), (dq_use - 1) & 1);
     if constexpr (!kThreadIndexAhead) t = ptx::thread_index() % 128;
-    const uint32_t sDq_part = sDq(consumer_uniform, dq_buffer);
+    const uint32_t sDq_part = sm.dq(consumer_uniform, dq_buffer);
 #pragma unroll
     for (int c = 0; c < Cfg::Dq::kChunks; ++c) {
       ptx::st_shared_f32x4(sDq_part + Cfg::Dq::chunk(c, t) * 16, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2],
                            dq[4 * c + 3]);
     }
     ptx::fence_proxy_async_shared();
-    ptx::mbarrier_arrive(dq_full(consumer, dq_buffer));
+    ptx::mbarrier_arrive(sm.dq_full(consumer, dq_buffer));
 
     ptx::wgmma_wait<0>();
     ptx::fence_registers(dk);
@@ -563,30 +380,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::mbarrier_arrive(barriers.do_empty(stage));
   }
 
-  // Epilogue: dK and dV as T into this consumer's rows of the K and V tiles (once both consumers
-  // are done reading them), then TMA stores, which clip rows past seqlen_k.
-  ptx::named_barrier_sync(3, kConsumerThreads);
-#pragma unroll
-  for (int i = 0; i < kHeadDim / 2; i += 2) {
-    const int row = consumer * 64 + warp * 16 + accum_row(i), col = accum_col(i);
-    const uint32_t off = (col / 64) * kBlockN * 128 + ptx::sw128_offset(row, (col % 64) / 8) + (lane % 4) * 4;
-    ptx::st_shared_b32(sK + off, ptx::pack2<T>(dk[i] * p.scale, dk[i + 1] * p.scale));
-    ptx::st_shared_b32(sV + off, ptx::pack2<T>(dv[i], dv[i + 1]));
-  }
-  ptx::fence_proxy_async_shared();
-  ptx::named_barrier_sync(1 + consumer, 128);
-  if (tid == 0) {
-    // The coordinates derived again: kept from the top, they held registers across the loop.
-    const BwdCta cta = BwdCta::of<kLongestFirst>(p.batch, p.kv_heads, kBiasGrad && BiasGrad::shared_by_ctas(p));
-    const int batch = cta.batch, kv_head = cta.kv_head, key0 = cta.n_block * kBlockN + consumer * 64;
-    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-      const uint32_t off = panel * kBlockN * 128 + consumer * 64 * 128;
-      ptx::tma_store_4d(&maps.dk, sK + off, panel * 64, kv_head, key0, batch);
-      ptx::tma_store_4d(&maps.dv, sV + off, panel * 64, kv_head, key0, batch);
-    }
-    ptx::tma_store_commit();
-    ptx::tma_store_wait_read();
-  }
+  store_dk_dv<Cfg, kLongestFirst, kBiasGrad>(maps, p, sm, dk, dv, consumer, tid);
 #endif
 }
 

@@ -1,0 +1,32 @@
+// The Hopper backward's mask of a step's S^T (keys as rows): -inf outside the band and past
+// seqlen_k (common/mask.cuh), for a consumer's 64 keys from key0 and kBlockM queries from q_first.
+#pragma once
+
+#include <cmath>
+
+#include "common/mask.cuh"
+#include "common/params.h"
+
+namespace jax_flash::sm90 {
+
+template <Variant kVariant, int kSRegs>
+__device__ __forceinline__ void mask_transposed_scores(float (&st)[kSRegs], const Band& band, int q_first, int key0,
+                                                       int warp, int lane) {
+  constexpr int kBlockM = 2 * kSRegs;
+  const int k0 = key0 + warp * 16 + lane / 4;  // this thread's keys: k0 and k0 + 8
+  const Range seeing[2] = {band.queries_seeing(k0), band.queries_seeing(k0 + 8)};
+  // A step inside one document (its diagonal) compares no ids, two loads an element (only in the
+  // masked kernel: the test's registers made the capped and bias kernels spill).
+  const Range one = kVariant == Variant::kMasked ? band.queries_of_one_segment(key0, key0 + 63) : Range{0, 0};
+  const bool compare_ids = q_first < one.begin || q_first + kBlockM > one.end;
+#pragma unroll
+  for (int i = 0; i < kSRegs; ++i) {
+    // Element i's query (accumulator column; its key is row warp * 16 + ((i % 4) / 2) * 8 + lane / 4).
+    const int r = (i % 4) / 2, q = q_first + (i / 4) * 8 + (lane % 4) * 2 + i % 2;
+    if (q < seeing[r].begin || q >= seeing[r].end || (compare_ids && !band.same_segment(q, k0 + 8 * r))) {
+      st[i] = -INFINITY;
+    }
+  }
+}
+
+}  // namespace jax_flash::sm90
