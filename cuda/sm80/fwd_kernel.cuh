@@ -6,6 +6,9 @@
 // through two shared-memory stages with cp.async: block j-1 loads while block j is computed,
 // with one barrier per key block. Key blocks are visited from the last one down, so the (few)
 // blocks that need the band mask come first and the rest run unmasked.
+//
+// The pieces, in sm80/fwd/: products.cuh (S = Q K^T, O += P V), softmax.cuh (the online softmax of a
+// block) and epilogue.cuh (O and the log-sum-exp out).
 #pragma once
 
 #include <cmath>
@@ -17,6 +20,9 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/tile.cuh"
+#include "sm80/fwd/epilogue.cuh"
+#include "sm80/fwd/products.cuh"
+#include "sm80/fwd/softmax.cuh"
 #include "sm80/traits.cuh"
 
 namespace jax_flash::sm80 {
@@ -112,34 +118,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
           ptx::ldmatrix_x4(q_frag[mt][Cfg::kQInRegs ? ks : 0], a_q(ks, mt * 16));
     };
 
-    // S = Q K_j^T for this warp's rows x kBlockN keys; each K fragment serves every m16 tile.
     auto compute_s = [&](float (&acc_s)[kMTiles][kNTiles][4], int j) {
-      const uint32_t stage_offset = (j % 2) * Cfg::kStageBytes;
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int n = 0; n < kNTiles; ++n)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc_s[mt][n][i] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        uint32_t q_reload[kMTiles][4];
-        if constexpr (!Cfg::kQInRegs) {
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) ptx::ldmatrix_x4(q_reload[mt], a_q(ks, mt * 16));
-        }
-#pragma unroll
-        for (int n = 0; n < kNTiles; n += 2) {
-          uint32_t b[4];
-          ptx::ldmatrix_x4(b, b_k(ks, n * 8) + stage_offset);
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            const uint32_t(&a)[4] = Cfg::kQInRegs ? q_frag[mt][Cfg::kQInRegs ? ks : 0] : q_reload[mt];
-            ptx::mma_16816<T>(acc_s[mt][n], a, b[0], b[1]);
-            ptx::mma_16816<T>(acc_s[mt][n + 1], a, b[2], b[3]);
-          }
-        }
-      }
+      qk_product<Cfg>(acc_s, q_frag, a_q, b_k, (j % 2) * Cfg::kStageBytes);
     };
 
     // Soft cap, band mask (and bias), then the online softmax of block j; leaves P in acc_s.
@@ -188,58 +168,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
       }
       // Base 2 with the scale folded in (one FFMA per element).
       const float scale_log2 = logits.unit * kLog2e;
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float block_max = row_max[mt][r];
-#pragma unroll
-        for (int n = 0; n < kNTiles; ++n)
-          block_max = fmaxf(block_max, fmaxf(acc_s[mt][n][2 * r], acc_s[mt][n][2 * r + 1]));
-        block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
-        block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
-        // A row that has seen nothing visible keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
-        const float shift = block_max == -INFINITY ? 0.f : block_max * scale_log2;
-        const float rescale = ptx::exp2(row_max[mt][r] * scale_log2 - shift);
-        row_max[mt][r] = block_max;
-        float sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < kNTiles; ++n)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            float& s = acc_s[mt][n][2 * r + c];
-            s = ptx::exp2(s * scale_log2 - shift);
-            sum += s;
-          }
-        row_sum[mt][r] = row_sum[mt][r] * rescale + sum;
-#pragma unroll
-        for (int d = 0; d < kDTiles; ++d) {
-          acc_o[mt][d][2 * r] *= rescale;
-          acc_o[mt][d][2 * r + 1] *= rescale;
-        }
-      }
+      online_softmax(acc_s, row_max, row_sum, acc_o, scale_log2);
     };
 
-    // O += P V_j: the S accumulators of two n8 tiles form the A fragment of one k16 step.
     auto accumulate_pv = [&](const float (&acc_s)[kMTiles][kNTiles][4], int j) {
-      const uint32_t stage_offset = (j % 2) * Cfg::kStageBytes;
-#pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        uint32_t a[kMTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-          ptx::accumulators_to_a<T>(a[mt], acc_s[mt][2 * ks], acc_s[mt][2 * ks + 1]);
-#pragma unroll
-        for (int d = 0; d < kDTiles; d += 2) {
-          uint32_t b[4];
-          ptx::ldmatrix_x4_trans(b, bt_v(d / 2, ks * 16) + stage_offset);
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            ptx::mma_16816<T>(acc_o[mt][d], a[mt], b[0], b[1]);
-            ptx::mma_16816<T>(acc_o[mt][d + 1], a[mt], b[2], b[3]);
-          }
-        }
-      }
+      pv_product<Cfg>(acc_o, acc_s, bt_v, (j % 2) * Cfg::kStageBytes);
     };
 
     float s_cur[kMTiles][kNTiles][4], s_next[kMTiles][kNTiles][4];
@@ -288,36 +221,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
     }
   }
 
-  // Epilogue: normalise, stage this warp's rows in its own rows of sQ, store 16-byte chunks.
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = thread_row(mt, r);
-    float sum = row_sum[mt][r];
-    sum += __shfl_xor_sync(0xffffffff, sum, 1);
-    sum += __shfl_xor_sync(0xffffffff, sum, 2);
-    const bool empty = sum == 0.f;  // nothing visible: output 0, lse -inf
-    const float inv = empty ? 0.f : 1.f / sum;
-#pragma unroll
-    for (int d = 0; d < kDTiles; ++d) {
-      const uint32_t packed = ptx::pack2<T>(acc_o[mt][d][2 * r] * inv, acc_o[mt][d][2 * r + 1] * inv);
-      ptx::st_shared_b32(sQ + QTile::offset(row, d) + (lane % 4) * 4, packed);
-    }
-    if (lane % 4 == 0 && row < rows_valid) {
-      gLse[row] = empty ? -INFINITY : row_max[mt][r] * logits.unit + logf(sum);
-    }
-  }
-  __syncwarp();
-  constexpr int kChunks = QTile::kChunks;
-#pragma unroll
-  for (int i = lane; i < Cfg::kWarpRows * kChunks; i += 32) {
-    const int row = warp_row0 + i / kChunks, chunk = i % kChunks;
-    if (row < rows_valid) {
-      *reinterpret_cast<uint4*>(gO + row * q_row_stride + chunk * 8) =
-          ptx::ld_shared_v4(sQ + QTile::offset(row, chunk));
-    }
-  }
+  store_output<Cfg>(acc_o, row_max, row_sum, logits.unit, sQ, gO, gLse, q_row_stride, rows_valid, warp_row0, lane);
 }
 
 }  // namespace jax_flash::sm80
