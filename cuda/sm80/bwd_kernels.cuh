@@ -8,6 +8,9 @@
 //    contributions of every key block, so each CTA adds its share into the fp32 accumulator
 //    with atomics: the separate-kernel alternative would compute S and dP a second time (7
 //    products instead of 5).
+//
+// The pieces, in sm80/bwd/: products.cuh (S and dP), dq_adds.cuh (dQ into its accumulator) and
+// epilogue.cuh (dK and dV out).
 #pragma once
 
 #include <cmath>
@@ -20,6 +23,9 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/tile.cuh"
+#include "sm80/bwd/dq_adds.cuh"
+#include "sm80/bwd/epilogue.cuh"
+#include "sm80/bwd/products.cuh"
 #include "sm80/traits.cuh"
 
 namespace jax_flash::sm80 {
@@ -154,30 +160,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     // slopes need no registers of their own while dP is computed.
     uint32_t p_for_ds[kSdpMTiles][4][2];
     // acc = A B^T with A = Q (or dO, a_shift bytes on) and B = K (or V, b_shift bytes on).
-    auto product = [&](uint32_t a_shift, uint32_t b_shift) {
-#pragma unroll
-      for (int mt = 0; mt < kSdpMTiles; ++mt)
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[mt][n][i] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        uint32_t a[kSdpMTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < kSdpMTiles; ++mt) ptx::ldmatrix_x4(a[mt], a_q(ks, mt * 16) + a_shift);
-#pragma unroll
-        for (int n = 0; n < 4; n += 2) {
-          uint32_t b[4];
-          ptx::ldmatrix_x4(b, b_k(ks, n * 8) + b_shift);
-#pragma unroll
-          for (int mt = 0; mt < kSdpMTiles; ++mt) {
-            ptx::mma_16816<T>(acc[mt][n], a[mt], b[0], b[1]);
-            ptx::mma_16816<T>(acc[mt][n + 1], a[mt], b[2], b[3]);
-          }
-        }
-      }
-    };
+    auto product = [&](uint32_t a_shift, uint32_t b_shift) { sdp_product<Cfg>(acc, a_q, b_k, a_shift, b_shift); };
     // This thread's element (mt, n, i): query row(mt, i / 2), key k_first + col(n, i % 2).
     auto row = [&](int mt, int r) { return sdp_m + mt * 16 + r * 8 + lane / 4; };
     auto col = [&](int n, int j) { return sdp_n + n * 8 + (lane % 4) * 2 + j; };
@@ -302,62 +285,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
           }
         }
       }
-      // Deterministic mode: this key block's turn at the query block (common/bwd_walk.cuh).
-      int* turn = nullptr;
-      if (p.dq_turns != nullptr) {
-        if (tid == 0) {
-          turn = wait_dq_turn(p.dq_turns + (int64_t(batch) * p.heads + head) * (p.stats_stride / 64),
-                              band.without_segments(), q_first / kBlockM, n_block, kBlockM, kBlockN);
-        }
-        __syncthreads();
-      }
-      float* dq = p.dq_accum + (int64_t(batch) * p.seqlen_q + q_first) * q_row_stride + head * kHeadDim + dq_d;
-#pragma unroll
-      for (int mt = 0; mt < kDqMTiles; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int q = dq_m + mt * 16 + r * 8 + lane / 4;
-          if (q_first + q < p.seqlen_q) {
-#pragma unroll
-            for (int d = 0; d < kDqNTiles; ++d)
-              ptx::red_add_f32x2(dq + q * q_row_stride + d * 8 + (lane % 4) * 2, acc_dq[mt][d][2 * r],
-                                 acc_dq[mt][d][2 * r + 1]);
-          }
-        }
-      if (p.dq_turns != nullptr) {
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) ptx::red_release_add(turn, 1);
-      }
+      add_dq<Cfg>(acc_dq, p, band, batch, head, q_first, n_block, dq_m, dq_d, q_row_stride, tid);
     }
   }
   ptx::cp_async_wait<0>();
   __syncthreads();  // every warp is done with K and V, whose buffers stage dK and dV
 
-  // Epilogue: dK, dV to T in sK / sV, then whole rows as 16-byte chunks.
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int d = 0; d < kDkvTiles; ++d) {
-        const int off = KTile::offset(dkv_n + mt * 16 + r * 8 + lane / 4, dkv_d / 8 + d) + (lane % 4) * 4;
-        ptx::st_shared_b32(sK + off, ptx::pack2<T>(acc_dk[mt][d][2 * r], acc_dk[mt][d][2 * r + 1]));
-        ptx::st_shared_b32(sV + off, ptx::pack2<T>(acc_dv[mt][d][2 * r], acc_dv[mt][d][2 * r + 1]));
-      }
-  __syncthreads();  // a row's parts come from kDkvWarpsD warps
-  T* gdk = static_cast<T*>(p.dk) + kv_offset;
-  T* gdv = static_cast<T*>(p.dv) + kv_offset;
-  constexpr int kChunks = KTile::kChunks;
-  for (int i = tid; i < kBlockN * kChunks; i += Cfg::kThreads) {
-    const int row = i / kChunks, chunk = i % kChunks;
-    if (row < keys_valid) {
-      *reinterpret_cast<uint4*>(gdk + row * kv_row_stride + chunk * 8) =
-          ptx::ld_shared_v4(sK + KTile::offset(row, chunk));
-      *reinterpret_cast<uint4*>(gdv + row * kv_row_stride + chunk * 8) =
-          ptx::ld_shared_v4(sV + KTile::offset(row, chunk));
-    }
-  }
+  store_dk_dv<Cfg>(acc_dk, acc_dv, sK, sV, p, kv_offset, kv_row_stride, keys_valid, dkv_n, dkv_d, tid);
 }
 
 }  // namespace jax_flash::sm80
