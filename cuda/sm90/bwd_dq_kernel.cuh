@@ -15,6 +15,9 @@
 // consumer issues S and dP together and then its dQ product, so the tensor cores hold work of both
 // while either computes P and dS.
 // Deterministic (one writer per dQ element, a fixed order of adds), so deterministic mode takes it.
+//
+// Its pieces, in sm90/bwd/: dq_shared_memory.cuh (tiles and barriers), dq_loads.cuh (the
+// producer) and dq_exchange.cuh (the consumers' halves meet and are stored).
 #pragma once
 
 #include <cuda.h>
@@ -28,6 +31,9 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "sm90/bwd/dq_exchange.cuh"
+#include "sm90/bwd/dq_loads.cuh"
+#include "sm90/bwd/dq_shared_memory.cuh"
 #include "sm90/bwd_stages.cuh"
 
 namespace jax_flash::sm90 {
@@ -77,16 +83,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   extern __shared__ char smem[];
   const uint32_t align = (1024 - (ptx::smem_addr(smem) & 1023)) & 1023;
   float* const exchange = reinterpret_cast<float*>(smem + align + Cfg::kK);
-  const uint32_t base = ptx::smem_addr(smem) + align;
-  const uint32_t sQ = base + Cfg::kQ, sDo = base + Cfg::kDo;
-  auto sK = [&](int stage) { return base + Cfg::kK + stage * Cfg::kKVBytes; };
-  auto sV = [&](int stage) { return base + Cfg::kV + stage * Cfg::kKVBytes; };
-  const uint32_t bars = base + Cfg::kBarriers;
-  const uint32_t qdo_full = bars;
-  auto k_full = [&](int stage) { return bars + 8 * (1 + stage); };
-  auto v_full = [&](int stage) { return bars + 8 * (1 + kStages + stage); };
-  auto k_empty = [&](int stage) { return bars + 8 * (1 + 2 * kStages + stage); };
-  auto v_empty = [&](int stage) { return bars + 8 * (1 + 3 * kStages + stage); };
+  const DqKernelSharedMemory<Cfg> sm{ptx::smem_addr(smem) + align};
 
   // The last query blocks first: under a causal band they see the most keys, so the short ones
   // fill in behind them.
@@ -101,12 +98,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto key_block_first = [&](int j) { return (n_end - 1 - j) * kBlockN; };
 
   if (threadIdx.x == 0) {
-    ptx::mbarrier_init(qdo_full, 1);
+    ptx::mbarrier_init(sm.qdo_full(), 1);
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(k_full(s), 1);
-      ptx::mbarrier_init(v_full(s), 1);
-      ptx::mbarrier_init(k_empty(s), kConsumerThreads);
-      ptx::mbarrier_init(v_empty(s), kConsumerThreads);
+      ptx::mbarrier_init(sm.k_full(s), 1);
+      ptx::mbarrier_init(sm.v_full(s), 1);
+      ptx::mbarrier_init(sm.k_empty(s), kConsumerThreads);
+      ptx::mbarrier_init(sm.v_empty(s), kConsumerThreads);
     }
     ptx::fence_barrier_init();
   }
@@ -116,24 +113,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (warp_group == 0) {
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x != 0 || blocks == 0) return;
-    ptx::mbarrier_arrive_expect_tx(qdo_full, 2 * Cfg::kQBytes);
-    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-      ptx::tma_load_4d(sQ + panel * kBlockM * 128, &maps.q, qdo_full, panel * 64, head, q_first, batch);
-      ptx::tma_load_4d(sDo + panel * kBlockM * 128, &maps.dout, qdo_full, panel * 64, head, q_first, batch);
-    }
-    // The n-th use of a stage waits for the consumers' release of use n - 1.
-    auto load = [&](uint32_t full, uint32_t empty, uint32_t dst, const CUtensorMap* map, int j) {
-      if (j >= kStages) ptx::mbarrier_wait(empty, (j / kStages - 1) & 1);
-      ptx::mbarrier_arrive_expect_tx(full, Cfg::kKVBytes);
-      for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-        ptx::tma_load_4d(dst + panel * kBlockN * 128, map, full, panel * 64, kv_head, key_block_first(j), batch);
-      }
-    };
-    for (int j = 0; j < blocks; ++j) {
-      const int stage = j % kStages;
-      load(k_full(stage), k_empty(stage), sK(stage), &maps.k, j);
-      load(v_full(stage), v_empty(stage), sV(stage), &maps.v, j);
-    }
+    load_dq_kernel_tiles<Cfg>(maps, sm, batch, head, kv_head, q_first, n_end, blocks);
     return;
   }
 
@@ -164,18 +144,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 64; ++i) dq[c][i] = 0.f;
 
-  const uint64_t q_desc = ptx::smem_desc_sw128(sQ, 0), do_desc = ptx::smem_desc_sw128(sDo, 0);
+  const uint64_t q_desc = ptx::smem_desc_sw128(sm.q(), 0), do_desc = ptx::smem_desc_sw128(sm.d_o(), 0);
   uint32_t ds_a[kHalfN / 16][4];  // dS as the A fragments of dQ's k16 steps
-  if (blocks > 0) ptx::mbarrier_wait(qdo_full, 0);
+  if (blocks > 0) ptx::mbarrier_wait(sm.qdo_full(), 0);
   for (int j = 0; j < blocks; ++j) {
     const int stage = j % kStages, phase = (j / kStages) & 1;
     const int k_first = key_block_first(j) + consumer * kHalfN;  // this consumer's keys
     // S = Q K^T and dP = dO V^T over this consumer's 32 keys: k16 steps along the head dim, both
     // operands K-major; its keys start 32 rows (4 swizzle groups) into each panel.
-    const uint64_t k_desc = ptx::smem_desc_sw128(sK(stage) + consumer_uniform * kHalfN * 128, 0);
-    const uint64_t v_desc = ptx::smem_desc_sw128(sV(stage) + consumer_uniform * kHalfN * 128, 0);
+    const uint64_t k_desc = ptx::smem_desc_sw128(sm.k(stage) + consumer_uniform * kHalfN * 128, 0);
+    const uint64_t v_desc = ptx::smem_desc_sw128(sm.v(stage) + consumer_uniform * kHalfN * 128, 0);
     float s[kHalfN / 2], dp[kHalfN / 2];
-    ptx::mbarrier_wait(k_full(stage), phase);
+    ptx::mbarrier_wait(sm.k_full(stage), phase);
     ptx::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
@@ -183,7 +163,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                     ptx::desc_advance(k_desc, (ks / 4) * kBlockN * 128 + (ks % 4) * 32), ks > 0, T{});
     }
     ptx::wgmma_commit();
-    ptx::mbarrier_wait(v_full(stage), phase);
+    ptx::mbarrier_wait(sm.v_full(stage), phase);
     ptx::wgmma_fence();  // after the wait's branch (else ptxas injects one, C7519)
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
@@ -198,7 +178,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::fence_registers(ds_a);
 #pragma unroll
     for (int c = 0; c < kDqChunks; ++c) ptx::fence_registers(dq[c]);
-    if (j > 0) ptx::mbarrier_arrive(k_empty((j - 1) % kStages));
+    if (j > 0) ptx::mbarrier_arrive(sm.k_empty((j - 1) % kStages));
 
     // With a cap (before the bias), S becomes the tanh values, whose slopes dS takes (made before
     // the masks).
@@ -234,7 +214,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
     ptx::wgmma_wait<0>();
     ptx::fence_registers(dp);
-    ptx::mbarrier_arrive(v_empty(stage));
+    ptx::mbarrier_arrive(sm.v_empty(stage));
     // dS, packed as the A operand (the accumulator and A layouts agree thread for thread).
 #pragma unroll
     for (int i = 0; i < kHalfN / 2; ++i) {
@@ -248,7 +228,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
     // dQ += dS K: K MN-major (keys are K, head-dim columns N), this consumer's 32 keys, 16 a step
     // (2048 bytes of a panel), column panels kBlockN * 128 bytes apart.
-    const uint64_t kt_desc = ptx::smem_desc_sw128(sK(stage) + consumer_uniform * kHalfN * 128, kBlockN * 128);
+    const uint64_t kt_desc = ptx::smem_desc_sw128(sm.k(stage) + consumer_uniform * kHalfN * 128, kBlockN * 128);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHalfN / 16; ++kk)
@@ -263,36 +243,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
   for (int c = 0; c < kDqChunks; ++c) ptx::fence_registers(dq[c]);
 
-  // The two partial sums meet: consumer c gives the other its half of the columns (128 floats a
-  // thread, thread-major: conflict-free) and adds the other's part of its own half. The stages
-  // are free once both consumers' last products have landed.
+  // The two partial sums meet (sm90/bwd/dq_exchange.cuh), once both consumers' last products have
+  // landed and the stages are free.
   ptx::named_barrier_sync(kExchangeBarrier, kConsumerThreads);
-  auto exchange_and_store = [&](const float (&give)[64], float (&keep)[64]) {
-    float* mine = exchange + consumer * 64 * 128;
-    const float* theirs = exchange + (1 - consumer) * 64 * 128;
-#pragma unroll
-    for (int i = 0; i < 64; ++i) mine[i * 128 + tid] = give[i];
-    ptx::named_barrier_sync(kExchangeBarrier, kConsumerThreads);
-#pragma unroll
-    for (int i = 0; i < 64; ++i) keep[i] += theirs[i * 128 + tid];
-    // Rows past T are not stored; rows of a batch row's padding computed to 0 (lse_log2 = +inf).
-    const int64_t row_stride = int64_t(p.heads) * kHeadDim;
-    T* gdq = static_cast<T*>(p.dq) + (int64_t(batch) * p.seqlen_q + q_first) * row_stride + head * kHeadDim +
-             consumer * 128 + (lane % 4) * 2;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row_in_block(r);
-      if (q_first + row < p.seqlen_q) {
-        uint32_t* out = reinterpret_cast<uint32_t*>(gdq + row * row_stride);
-#pragma unroll
-        for (int n8 = 0; n8 < 16; ++n8) out[n8 * 4] = ptx::pack2<T>(keep[4 * n8 + 2 * r], keep[4 * n8 + 2 * r + 1]);
-      }
-    }
-  };
+  constexpr auto exchange_and_store = exchange_and_store_dq<T, kHeadDim, kExchangeBarrier>;
   if (consumer == 0) {
-    exchange_and_store(dq[1], dq[0]);
+    exchange_and_store(p, exchange, dq[1], dq[0], consumer, batch, head, q_first, tid, warp, lane);
   } else {
-    exchange_and_store(dq[0], dq[1]);
+    exchange_and_store(p, exchange, dq[0], dq[1], consumer, batch, head, q_first, tid, warp, lane);
   }
 #endif
 }
