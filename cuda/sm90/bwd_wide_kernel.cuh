@@ -34,6 +34,7 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "sm90/bwd/wide_products.cuh"
 #include "sm90/bwd_stages.cuh"
 
 namespace jax_flash::sm90 {
@@ -143,18 +144,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 32; ++i) dvt[mt][i] = dkt[mt][i] = 0.f;
 
-  // acc[mt] += X^T B over the step's queries: X (Q or dO, [query][column] panels) read MN-major as
-  // A, B (P or dS, [query][key]) MN-major: queries are the k16 steps.
+  // acc[mt] += X^T B over the step's queries (X: Q or dO, B: P or dS), this consumer's rows.
   auto issue_transposed_products = [&](float (&acc)[2][32], uint32_t x, uint32_t b) {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int ks = 0; ks < kBlockM / 16; ++ks) {
-        const uint32_t panel = x + ((row0 + mt * 64) / 64) * kBlockM * 128;
-        ptx::wgmma_ss<1, 1>(acc[mt], ptx::smem_desc_sw128(panel + ks * 2048, 0),
-                            ptx::smem_desc_sw128(b + ks * 2048, 0), true, T{});
-      }
-    ptx::wgmma_commit();
+    issue_wide_transposed<Cfg>(acc, x, b, row0);
   };
 
   // S = Q K^T and dP = dO V^T of step s over this consumer's 32 keys of the CTA's 64, issued:
@@ -163,16 +155,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto issue_scores = [&](float (&s_acc)[16], float (&dp_acc)[16], int s) {
     const int stage = s % kStages, phase = (s / kStages) & 1;
     const uint32_t key_rows = consumer_uniform * (kBlockN / 2) * 128;
-    // rows (queries) x keys of one product, from its query tile and its key tile's first key
     auto issue = [&](float (&acc)[16], uint32_t query_tile, uint32_t keys) {
-      ptx::wgmma_fence();  // after the stage wait's branch
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        const uint32_t off_q = (ks / 4) * kBlockM * 128 + (ks % 4) * 32, off_k = (ks / 4) * kBlockN * 128 + (ks % 4) * 32;
-        ptx::wgmma_ss(acc, ptx::smem_desc_sw128(query_tile + off_q, 0), ptx::smem_desc_sw128(keys + off_k, 0), ks > 0,
-                      T{});
-      }
-      ptx::wgmma_commit();
+      issue_wide_scores<Cfg>(acc, query_tile, keys);
     };
     ptx::mbarrier_wait(barriers.q_full(stage), phase);
     issue(s_acc, sQ(stage), sK + key_rows);
