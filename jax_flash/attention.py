@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jax_flash import cuda_impl, dense_impl, xla_impl
+from jax_flash import cuda_impl, cudnn_fallback, dense_impl, xla_impl
 from jax_flash._validation import Call, validate
 
 
@@ -90,9 +90,11 @@ def attention(
         the diagonal (causal, windows) aligns the last valid query with the last valid key.
       local_window_size: `w` or `(left, right)`: query `i` sees keys within `left` before and
         `right` after its diagonal position (combined with `is_causal`, `right` becomes 0).
-      implementation: `None` (the CUDA kernels on a CUDA GPU when they support the call, else
-        `"xla"`), `"cuda"` (raises `ValueError` when the kernels cannot run the call) or `"xla"`
-        (pure JAX, any backend).
+      implementation: `None` (the CUDA kernels on a CUDA GPU when they support the call; else, on
+        a CUDA GPU, `jax.nn`'s cuDNN attention for calls it computes alike: plain, causal or
+        windowed with T == S, no bias, mask, lengths, soft cap or segment ids; else `"xla"`),
+        `"cuda"` (raises `ValueError` when the kernels cannot run the call) or `"xla"` (pure JAX,
+        any backend).
       return_residual: also return the log-sum-exp of the visible logits, `[B, T, N]` float32
         (float64 for float64 inputs).
       softcap: optional logit soft cap (> 0), as in Gemma 2.
@@ -119,6 +121,8 @@ def attention(
         out, lse = nothing_computed(call)
     elif uses_cuda(call, implementation):
         out, lse = cuda_impl.attention(call)
+    elif (out := cudnn_output(call, implementation, return_residual)) is not None:
+        lse = None  # not asked for (cudnn_fallback)
     else:
         out, lse = xla_path(call)
     if not call.batched:
@@ -128,8 +132,9 @@ def attention(
 
 def chosen_implementation(query, key, value, bias=None, mask=None, **kwargs) -> str:
     """Which path `attention` takes for these arguments (the same ones, arrays or
-    `jax.ShapeDtypeStruct`s): "cuda", "xla-dense" (the scores formed whole, within the memory
-    budget), "xla-blockwise" (O(seqlen) memory) or "none" (empty inputs: nothing to compute)."""
+    `jax.ShapeDtypeStruct`s): "cuda", "cudnn" (`jax.nn`'s, on a GPU whose calls the kernels cannot
+    run: cudnn_fallback.py), "xla-dense" (the scores formed whole, within the memory budget),
+    "xla-blockwise" (O(seqlen) memory) or "none" (empty inputs: nothing to compute)."""
     reasons = []
 
     def trace(query, key, value, bias, mask):
@@ -138,6 +143,8 @@ def chosen_implementation(query, key, value, bias=None, mask=None, **kwargs) -> 
             reasons.append("none")
         elif uses_cuda(call, kwargs.get("implementation")):
             reasons.append("cuda")
+        elif cudnn_output(call, kwargs.get("implementation"), kwargs.get("return_residual", False)) is not None:
+            reasons.append("cudnn")
         else:
             reasons.append("xla-dense" if dense_impl.fits(call) else "xla-blockwise")
         return query
@@ -178,6 +185,14 @@ def xla_path(call: Call) -> tuple[jax.Array, jax.Array]:
     """The `xla` path: dense where the T x S scores fit the memory budget (dense_impl.py), else
     blockwise in O(seqlen) memory."""
     return dense_impl.attention(call) if dense_impl.fits(call) else xla_impl.attention(call)
+
+
+def cudnn_output(call: Call, implementation: str | None, return_residual: bool) -> jax.Array | None:
+    """In auto mode, for a call the kernels refused: `jax.nn`'s cuDNN attention where it computes
+    what we define (cudnn_fallback.py), else None (the xla path)."""
+    if implementation is not None or cudnn_fallback.reason(call, return_residual) is not None:
+        return None
+    return cudnn_fallback.attention(call)
 
 
 def uses_cuda(call: Call, implementation: str | None) -> bool:

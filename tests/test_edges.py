@@ -151,7 +151,8 @@ def test_the_grid_split_rule(batch_heads, fits):
                                              ((9, 0), True), ((10, 0), False), ((12, 0), False)])  # fmt: skip
 def test_the_kernels_run_only_where_they_have_machine_code(monkeypatch, capability, runs):
     """Auto mode takes the kernels on Ampere, Ada and Hopper; on Turing and Blackwell (no code for
-    them in the default build) it takes the xla path, and `implementation="cuda"` says why."""
+    them in the default build) it takes another path (cuDNN where jax.nn's runs, which it does not
+    on this CPU: test_cudnn_fallback.py; so xla here), and `implementation="cuda"` says why."""
     fake_kernels.install(monkeypatch)
     monkeypatch.setattr(_ffi, "device_capability", lambda: capability)
     q = k = _shape_only((2, 64, 4, 64))
