@@ -31,7 +31,7 @@ CTAS_PER_SM = 1
 # (docs/perf/log.md, decode D8).
 ONE_SPLIT_SHARE = 0.45
 # The same for a paged cache: each load waits for its page's index, which the CTAs of one split
-# an SM do not hide (8 x 8k, pages of 64: one split 19% slower than the dense cache, two 3%; D8).
+# an SM do not hide (8 x 8k, pages of 64: one split 19% slower than the dense cache, two 6%; D8).
 PAGED_ONE_SPLIT_SHARE = 0.8
 # "0": never the decode kernels (the forward kernels take every call, to compare the two);
 # "1" or unset: wherever `takes` says.
@@ -67,10 +67,10 @@ def sm_count() -> int:
 def splits(batch: int, queries: int, heads: int, kv_heads: int, seqlen_k: int, head_dim: int,
            paged: bool = False) -> int:
     """Splits of each row tile's keys, from the wave-efficiency of CTAS_PER_SM CTAs an SM. With
-    tiles for ONE_SPLIT_SHARE of the slots or more (PAGED_ONE_SPLIT_SHARE for a paged cache), one. Otherwise as many as still fit one wave (every SM streams,
-    and one wave has no tail), if that wave is at least 85% as efficient as the best split
-    count's; else the fewest splits that are (FlashAttention's rule). Each warp keeps at least one
-    block of keys."""
+    tiles for ONE_SPLIT_SHARE of the slots or more (PAGED_ONE_SPLIT_SHARE for a paged cache),
+    one. Otherwise as many as still fit one wave (every SM streams, and one wave has no tail), if
+    that wave is at least 85% as efficient as the best split count's; else the fewest splits that
+    are (FlashAttention's rule). Each warp keeps at least one block of keys."""
     forced = os.environ.get(SPLITS_ENV)
     if forced:
         return max(1, min(MAX_SPLITS, int(forced)))
