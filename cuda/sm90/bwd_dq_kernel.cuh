@@ -24,6 +24,7 @@
 
 #include <cmath>
 
+#include "common/accumulator.cuh"
 #include "common/bias.cuh"
 #include "common/grid.cuh"
 #include "common/logits.cuh"
@@ -124,7 +125,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   // This thread's rows of the block (accumulator layout), r = 0, 1, and the key of S element i.
   auto row_in_block = [&](int r) { return warp * 16 + r * 8 + lane / 4; };
-  auto key_in_half = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
+  const AccumulatorLayout accum{lane};  // S element i's key in the consumer's half: accum.col(i)
   const auto logits = Logits<kCapped ? Cap::kAlways : Cap::kNever>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
 
@@ -204,7 +205,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
         for (int i = 0; i < kHalfN / 2; ++i) {
           if ((i % 4) / 2 != r) continue;
-          const int k = k_first + key_in_half(i);
+          const int k = k_first + accum.col(i);
           if (k < seen.begin || k >= seen.end || !band.same_segment(q, k)) s[i] = -INFINITY;
         }
       }

@@ -37,6 +37,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "common/accumulator.cuh"
 #include "common/bias.cuh"
 #include "common/bwd_walk.cuh"
 #include "common/logits.cuh"
@@ -135,14 +136,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int consumer_uniform = __shfl_sync(0xffffffff, consumer, 0);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int key0 = k_first + (kThreadIndexAhead ? consumer_uniform : consumer) * 64;
-  // Accumulator element i of an m64nN tile of keys: row warp * 16 + accum_row(i), column
-  // accum_col(i). (dQ's tile leaves in register order, sm90/dq_tiles.cuh.)
-  auto accum_row = [&](int i) { return ((i % 4) / 2) * 8 + lane / 4; };
-  auto accum_col = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
+  // Accumulator element i of an m64nN tile of keys: row warp * 16 + accum.row(i), column
+  // accum.col(i). (dQ's tile leaves in register order, sm90/dq_tiles.cuh.)
+  const AccumulatorLayout accum{lane};
   // The byte offset of this thread's first statistics column, kept in a register (not with a cap,
   // where the register made H = 64 spill): rebuilt each step from the thread index, its S2R held
   // up the step's first product.
-  uint32_t stats_offset = accum_col(0) * 4;
+  uint32_t stats_offset = accum.col(0) * 4;
   if constexpr (!kCappedStep) asm volatile("" : "+r"(stats_offset));
   // Where this thread's lane addresses dS's 8 x 8 tiles for stmatrix (see the dS^T loop), in the
   // buffer: kept in registers like stats_offset, except at 80-query steps, where they spilled: there
@@ -187,13 +187,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // Taken before the products: taken after them, its bounds' registers made the lse spill.
     const bool whole = band.all_visible(q_first, q_first + kBlockM - 1, key0, key0 + 63);
     // This thread's columns' statistics (two adjacent queries per n8 tile): stats(stage base)[n]
-    // = values of columns accum_col(4 n), accum_col(4 n) + 1.
+    // = values of columns accum.col(4 n), accum.col(4 n) + 1.
     auto stats_of_tile = [&](uint32_t stats, int n) {
       const char* stage_stats = sm.generic(stats);
       if constexpr (kCappedStep) {
-        // The same address from accum_col: with a cap, this form (not stats_offset + n * 32) is the
+        // The same address from accum.col: with a cap, this form (not stats_offset + n * 32) is the
         // one that keeps the H = 64 kernel free of spills.
-        return *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(stage_stats) + accum_col(4 * n));
+        return *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(stage_stats) + accum.col(4 * n));
       }
       return *reinterpret_cast<const float2*>(stage_stats + stats_offset + n * 32);
     };
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int n = 0; n < kBlockM / 8; ++n) {
         // delta by volatile loads, one n8 tile at a time: as plain loads ptxas hoisted them all
         // ahead of the loop, and at H = 64 (128-query steps) spilled 8 bytes.
-        const uint32_t d_addr = sm.delta(stage) + accum_col(4 * n) * 4;
+        const uint32_t d_addr = sm.delta(stage) + accum.col(4 * n) * 4;
         const float2 d = {__uint_as_float(ptx::ld_shared_b32(d_addr)), __uint_as_float(ptx::ld_shared_b32(d_addr + 4))};
 #pragma unroll
         for (int i = 4 * n; i < 4 * n + 4; ++i) {
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::mbarrier_wait(sm.bias_full() + 8 * bias_stage, tiles.use_of(s) & 1);
       const char* tile = sm.base + Cfg::kBiasTiles + bias_stage * tiles.tile_bytes();
       add_tile_bias<T, typename Cfg::BiasTiles>(st, tile, tiles.bias_bytes, p.bias_fp32, tiles.mask_bytes != 0,
-                       key0 - k_first + warp * 16 + lane / 4, accum_col(0), 1.f / logits.unit);
+                       key0 - k_first + warp * 16 + lane / 4, accum.col(0), 1.f / logits.unit);
       ptx::mbarrier_arrive(sm.bias_empty() + 8 * bias_stage);
     }
     if (!whole) mask_transposed_scores<kVariant>(st, band, q_first, key0, warp, lane);

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "common/accumulator.cuh"
 #include "common/bias.cuh"
 #include "common/bwd_walk.cuh"
 #include "common/logits.cuh"
@@ -125,13 +126,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Broadcast from lane 0, so that the descriptors built from it stay in uniform registers.
   const int consumer_uniform = __shfl_sync(0xffffffff, consumer, 0);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  // Accumulator element i of an m64nN tile: row warp * 16 + accum_row(i), column accum_col(i).
-  auto accum_row = [&](int i) { return warp * 16 + ((i % 4) / 2) * 8 + lane / 4; };
-  auto accum_col = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
+  // Accumulator element i of an m64nN tile: row accum_row(i), column accum.col(i).
+  const AccumulatorLayout accum{lane};
+  auto accum_row = [&](int i) { return warp * 16 + accum.row(i); };
   // Elements i, i + 1 (one row, two adjacent keys) of P or dS in its [query][key] tile, whose
   // columns start column_bytes into the row.
   auto tile_offset = [&](int i, uint32_t column_bytes) {
-    const int col = accum_col(i) + column_bytes / 2;
+    const int col = accum.col(i) + column_bytes / 2;
     return ptx::sw128_offset(accum_row(i), col / 8) + (col % 8) * 2;
   };
   const auto logits = Logits<kSoftcap || kBiasCapped ? Cap::kAlways : Cap::kNever>::from(p);
@@ -213,7 +214,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
           if ((i % 4) / 2 != h) continue;
-          const int k = key_first + accum_col(i);
+          const int k = key_first + accum.col(i);
           if (k < seen.begin || k >= seen.end || !band.same_segment(q, k)) s_acc[i] = -INFINITY;
         }
       }
@@ -244,7 +245,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         if constexpr (kBiasGrad) {
           // keys k, k + 1 of row q (k even, S even: both in or both out)
-          const int q = q_first + accum_row(i), k = key_first + accum_col(i);
+          const int q = q_first + accum_row(i), k = key_first + accum.col(i);
           if (q < p.seqlen_q && k < p.seqlen_k) BiasGrad::from(p, batch, head).add_pair(q, k, g0, g1);
         }
       }
@@ -282,7 +283,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-      const int column = row0 + mt * 64 + accum_row(i), key = accum_col(i);
+      const int column = row0 + mt * 64 + accum_row(i), key = accum.col(i);
       const uint32_t off = (column / 64) * kBlockN * 128 + ptx::sw128_offset(key, (column % 64) / 8) + (column % 8) * 2;
       ptx::st_shared_b16(sK + off, ptx::pack2<T>(dkt[mt][i], 0.f) & 0xffff);
       ptx::st_shared_b16(sV + off, ptx::pack2<T>(dvt[mt][i], 0.f) & 0xffff);

@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "common/accumulator.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
 
@@ -19,10 +20,10 @@ __device__ __forceinline__ void mask_transposed_scores(float (&st)[kSRegs], cons
   // masked kernel: the test's registers made the capped and bias kernels spill).
   const Range one = kVariant == Variant::kMasked ? band.queries_of_one_segment(key0, key0 + 63) : Range{0, 0};
   const bool compare_ids = q_first < one.begin || q_first + kBlockM > one.end;
+  const AccumulatorLayout accum{lane};  // element i: key row warp * 16 + accum.row(i), query accum.col(i)
 #pragma unroll
   for (int i = 0; i < kSRegs; ++i) {
-    // Element i's query (accumulator column; its key is row warp * 16 + ((i % 4) / 2) * 8 + lane / 4).
-    const int r = (i % 4) / 2, q = q_first + (i / 4) * 8 + (lane % 4) * 2 + i % 2;
+    const int r = (i % 4) / 2, q = q_first + accum.col(i);
     if (q < seeing[r].begin || q >= seeing[r].end || (compare_ids && !band.same_segment(q, k0 + 8 * r))) {
       st[i] = -INFINITY;
     }

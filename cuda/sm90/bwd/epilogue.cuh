@@ -3,6 +3,7 @@
 // TMA stores, which clip rows past seqlen_k.
 #pragma once
 
+#include "common/accumulator.cuh"
 #include "common/bias.cuh"
 #include "common/bwd_walk.cuh"
 #include "common/params.h"
@@ -19,13 +20,11 @@ __device__ __forceinline__ void store_dk_dv(const BwdTensorMaps& maps, const Bwd
   using T = typename Cfg::T;
   constexpr int kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim, kConsumerThreads = 128 * Cfg::kConsumers;
   const int warp = tid / 32, lane = tid % 32;
-  // Accumulator element i of an m64nN tile: row warp * 16 + accum_row(i), column accum_col(i).
-  auto accum_row = [&](int i) { return ((i % 4) / 2) * 8 + lane / 4; };
-  auto accum_col = [&](int i) { return (i / 4) * 8 + (lane % 4) * 2 + i % 2; };
+  const AccumulatorLayout accum{lane};  // element i: row warp * 16 + accum.row(i), column accum.col(i)
   ptx::named_barrier_sync(3, kConsumerThreads);
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; i += 2) {
-    const int row = consumer * 64 + warp * 16 + accum_row(i), col = accum_col(i);
+    const int row = consumer * 64 + warp * 16 + accum.row(i), col = accum.col(i);
     const uint32_t off = (col / 64) * kBlockN * 128 + ptx::sw128_offset(row, (col % 64) / 8) + (lane % 4) * 4;
     ptx::st_shared_b32(sm.k() + off, ptx::pack2<T>(dk[i] * p.scale, dk[i + 1] * p.scale));
     ptx::st_shared_b32(sm.v() + off, ptx::pack2<T>(dv[i], dv[i + 1]));
