@@ -24,7 +24,6 @@
 
 #include <cmath>
 
-#include "common/accumulator.cuh"
 #include "common/bias.cuh"
 #include "common/grid.cuh"
 #include "common/logits.cuh"
@@ -36,6 +35,7 @@
 #include "sm90/bwd/dq_loads.cuh"
 #include "sm90/bwd/dq_shared_memory.cuh"
 #include "sm90/bwd_stages.cuh"
+#include "sm90/row_mask.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -123,9 +123,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Broadcast from lane 0, so that the descriptors built from it stay in uniform registers.
   const int consumer_uniform = __shfl_sync(0xffffffff, consumer, 0);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  // This thread's rows of the block (accumulator layout), r = 0, 1, and the key of S element i.
+  // This thread's rows of the block (accumulator layout), r = 0, 1.
   auto row_in_block = [&](int r) { return warp * 16 + r * 8 + lane / 4; };
-  const AccumulatorLayout accum{lane};  // S element i's key in the consumer's half: accum.col(i)
   const auto logits = Logits<kCapped ? Cap::kAlways : Cap::kNever>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
 
@@ -198,17 +197,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     // P, masked outside the band, past the keys and across segments.
     if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kHalfN - 1)) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int q = q_first + row_in_block(r);
-        const Range seen = band.keys_seen_by(q);
-#pragma unroll
-        for (int i = 0; i < kHalfN / 2; ++i) {
-          if ((i % 4) / 2 != r) continue;
-          const int k = k_first + accum.col(i);
-          if (k < seen.begin || k >= seen.end || !band.same_segment(q, k)) s[i] = -INFINITY;
-        }
-      }
+      mask_rows(s, band, q_first, k_first, warp, lane);
     }
 #pragma unroll
     for (int i = 0; i < kHalfN / 2; ++i) s[i] = ptx::exp2(s[i] * scale_log2 - lse_log2[(i % 4) / 2]);

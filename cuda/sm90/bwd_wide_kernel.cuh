@@ -36,6 +36,7 @@
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
 #include "sm90/bwd/wide_products.cuh"
+#include "sm90/row_mask.cuh"
 #include "sm90/bwd_stages.cuh"
 
 namespace jax_flash::sm90 {
@@ -207,17 +208,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     // P, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
     if (!band.all_visible(q_first, q_first + kBlockM - 1, key_first, key_first + kBlockN / 2 - 1)) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int q = q_first + accum_row(2 * h);
-        const Range seen = band.keys_seen_by(q);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          if ((i % 4) / 2 != h) continue;
-          const int k = key_first + accum.col(i);
-          if (k < seen.begin || k >= seen.end || !band.same_segment(q, k)) s_acc[i] = -INFINITY;
-        }
-      }
+      mask_rows(s_acc, band, q_first, key_first, warp, lane);
     }
     const float lse[2] = {stat(Cfg::kLse, stage, accum_row(0)), stat(Cfg::kLse, stage, accum_row(2))};
     const float delta[2] = {stat(Cfg::kDelta, stage, accum_row(0)), stat(Cfg::kDelta, stage, accum_row(2))};

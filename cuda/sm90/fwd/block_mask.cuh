@@ -7,6 +7,7 @@
 
 #include <type_traits>
 
+#include "common/accumulator.cuh"
 #include "common/mask.cuh"
 
 namespace jax_flash::sm90 {
@@ -22,12 +23,13 @@ template <int kSRegs>
 __device__ __forceinline__ void mask_band(float (&s)[kSRegs], const Band& band, const int (&q)[2], int k_first,
                                           int lane, BlockMask bm, float fill) {
   const Range seen[2] = {band.keys_seen_by(q[0]), band.keys_seen_by(q[1])};
+  const AccumulatorLayout accum{lane};
   auto mask = [&](auto segments) {
     constexpr bool kSegments = decltype(segments)::value;
     const int q_segment[2] = {kSegments ? band.q_segment(q[0]) : 0, kSegments ? band.q_segment(q[1]) : 0};
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) {
-      const int r = (i % 4) / 2, k = k_first + (i / 4) * 8 + (lane % 4) * 2 + i % 2;
+      const int r = (i % 4) / 2, k = k_first + accum.col(i);
       const bool other_segment = kSegments && band.kv_segment(k) != q_segment[r];
       if (k < seen[r].begin || k >= seen[r].end || other_segment) s[i] = fill;
     }
