@@ -29,6 +29,30 @@ def extension():
         return None
 
 
+DEFAULT_BUILT_ARCHS = ("80", "90a")  # CMakeLists.txt's default list
+
+
+def built_archs() -> tuple[str, ...]:
+    """The CUDA targets the extension was compiled for, e.g. ("80", "90a") (a module from before it
+    said so: the default list)."""
+    module = extension()
+    listed = getattr(module, "built_archs", None)
+    return tuple(listed.split(",")) if isinstance(listed, str) and listed else DEFAULT_BUILT_ARCHS
+
+
+def has_machine_code(capability: tuple[int, int], archs: tuple[str, ...]) -> bool:
+    """Whether machine code for one of `archs` runs on a GPU of `capability`: sm_XY code runs on
+    X.Z for Z >= Y (the same major), sm_90a only on 9.0."""
+    major, minor = capability
+    for arch in archs:
+        if arch.endswith("a"):
+            if (int(arch[:-2]), int(arch[-2])) == (major, minor):
+                return True
+        elif int(arch[:-1]) == major and int(arch[-1]) <= minor:
+            return True
+    return False
+
+
 @functools.cache
 def device_capability() -> tuple[int, int]:
     """(major, minor) compute capability of the default GPU, e.g. (9, 0) for an H100; (0, 0) where

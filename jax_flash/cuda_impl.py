@@ -53,6 +53,9 @@ def unsupported_reason(call: Call) -> str | None:
     if major not in KERNEL_CAPABILITY_MAJORS:
         return (f"the kernels are built for compute capability 8.x and 9.0 (Ampere, Ada, Hopper); this GPU is "
                 f"{major}.{minor}")
+    if not _ffi.has_machine_code((major, minor), _ffi.built_archs()):
+        return (f"this install of jax_flash has machine code for sm_{', sm_'.join(_ffi.built_archs())}, none of which "
+                f"runs on this GPU ({major}.{minor}); reinstall with JAX_FLASH_CUDA_ARCHS=native or a list with it")
     if call.query.dtype not in KERNEL_DTYPES:
         return f"the kernels take float16 or bfloat16, got {call.query.dtype}"
     if kernel_head_dim(_widest_head_dim(call)) is None:

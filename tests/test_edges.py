@@ -162,6 +162,32 @@ def test_the_kernels_run_only_where_they_have_machine_code(monkeypatch, capabili
             jax_flash.chosen_implementation(q, k, k, implementation="cuda")
 
 
+@pytest.mark.parametrize("archs,capability,runs", [
+    (("80", "90a"), (8, 0), True), (("80", "90a"), (8, 6), True), (("80", "90a"), (9, 0), True),
+    (("86",), (8, 0), False), (("86",), (8, 9), True),  # sm_XY code runs on X.Z, Z >= Y
+    (("90a",), (8, 6), False), (("80",), (9, 0), False),  # sm_80 code does not run on Hopper
+])  # fmt: skip
+def test_the_kernels_run_only_where_the_install_has_their_machine_code(monkeypatch, archs, capability, runs):
+    """An install built for other GPUs (JAX_FLASH_CUDA_ARCHS, e.g. native on another machine) never
+    launches kernels without code for this one: auto mode takes another path, and
+    `implementation="cuda"` names the targets it has."""
+    fake_kernels.install(monkeypatch)
+    monkeypatch.setattr(_ffi, "device_capability", lambda: capability)
+    monkeypatch.setattr(_ffi, "built_archs", lambda: archs)
+    q = k = _shape_only((2, 64, 4, 64))
+    assert (jax_flash.chosen_implementation(q, k, k) == "cuda") is runs
+    if not runs:
+        with pytest.raises(ValueError, match=f"machine code for sm_{archs[0]}.*this GPU \\({capability[0]}"):
+            jax_flash.chosen_implementation(q, k, k, implementation="cuda")
+
+
+def test_the_built_targets_are_read_from_the_extension(monkeypatch):
+    monkeypatch.setattr(_ffi, "extension", lambda: type("Module", (), {"built_archs": "86,90a"}))
+    assert _ffi.built_archs() == ("86", "90a")
+    monkeypatch.setattr(_ffi, "extension", lambda: object())  # a module from before it said
+    assert _ffi.built_archs() == _ffi.DEFAULT_BUILT_ARCHS
+
+
 def _unsupported_reason(q, k):
     """What `unsupported_reason` says of attention(q, k, k), from shapes alone."""
     none = dict(scale=None, is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,

@@ -1,5 +1,6 @@
 // The Python module jax_flash._cuda: `registrations()` maps each XLA FFI target name to a capsule
-// holding its handler, which jax_flash/_ffi.py registers with jax.ffi.register_ffi_target.
+// holding its handler, which jax_flash/_ffi.py registers with jax.ffi.register_ffi_target;
+// `built_archs` names the targets compiled (CMakeLists.txt), e.g. "80,90a".
 #include <nanobind/nanobind.h>
 
 #include "ffi/handlers.h"
@@ -14,4 +15,5 @@ NB_MODULE(_cuda, m) {
     }
     return targets;
   });
+  m.attr("built_archs") = JAX_FLASH_BUILT_ARCHS;
 }
