@@ -7,9 +7,9 @@ A step takes T tokens of every sequence: their keys and values are written into 
 buffers donated, so updated in place), then their queries attend to the cache. The prompt is one
 step (a chunked prefill: T = its length, at position 0); the new tokens come from one jitted call
 that loops the T = 1 step on the device, so that tokens/s measures the model rather than the
-host's dispatch of a call per token. Prints the text, tokens/s with jax_flash (dense and paged cache) and with
-jax.nn's attention (cuDNN on a GPU, XLA on a CPU) in the same run, their ratio, and the share of
-a step that attention takes (against the same step with attention left out).
+host's dispatch of a call per token. Prints the text, tokens/s with jax_flash (dense and paged
+cache) and with jax.nn's attention (cuDNN on a GPU, XLA on a CPU) in the same run, their ratio,
+and the share of a step that attention takes (against the same step with attention left out).
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def make_step(graphdef, name: str):
 
 def make_generators(graphdef, name: str):
     """(prefill, decode), each jitted with the cache donated (updated in place):
-    prefill(params, cache, prompt [B, P], 0) feeds the prompt in one step; decode(params, cache, tokens,
-    position, n) generates n tokens greedily in one call (a loop of steps on the device, so that
+    prefill(params, cache, prompt [B, P], 0) feeds the prompt in one step; decode(params, cache,
+    tokens, position, n) generates n tokens greedily in one call (a loop of steps on the device, so that
     the host's dispatch of each step does not set the pace)."""
     step = make_step(graphdef, name)
     prefill = jax.jit(step, donate_argnums=(1,))

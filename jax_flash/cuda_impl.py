@@ -22,9 +22,9 @@ FWD_HEAD_DIMS = _contract.FWD_HEAD_DIMS
 BWD_HEAD_DIMS = _contract.BWD_HEAD_DIMS  # 192 runs the 256 kernels, zero-padded
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16)
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
-# The default build's machine code (CMakeLists.txt: sm_80 and sm_90a, no PTX) runs on these major
-# compute capabilities only: Turing (7.x) lacks the instructions, Blackwell (10.x, 12.x) could only
-# JIT PTX, which is not shipped yet.
+# The GPU generations our kernel families are written for: Turing (7.x) lacks their instructions,
+# and Blackwell (10.x, 12.x) is neither built for nor tested. Which of these GPUs an install has
+# machine code for is _ffi.has_machine_code's question (its targets, e.g. sm_80 and sm_90a).
 KERNEL_CAPABILITY_MAJORS = (8, 9)
 
 
@@ -53,9 +53,10 @@ def unsupported_reason(call: Call) -> str | None:
     if major not in KERNEL_CAPABILITY_MAJORS:
         return (f"the kernels are built for compute capability 8.x and 9.0 (Ampere, Ada, Hopper); this GPU is "
                 f"{major}.{minor}")
-    if not _ffi.has_machine_code((major, minor), _ffi.built_archs()):
-        return (f"this install of jax_flash has machine code for sm_{', sm_'.join(_ffi.built_archs())}, none of which "
-                f"runs on this GPU ({major}.{minor}); reinstall with JAX_FLASH_CUDA_ARCHS=native or a list with it")
+    archs = _ffi.built_archs()
+    if not _ffi.has_machine_code((major, minor), archs):
+        return (f"this install of jax_flash has machine code for sm_{', sm_'.join(archs)}, none of which runs on "
+                f"this GPU ({major}.{minor}); reinstall with JAX_FLASH_CUDA_ARCHS=native or a list with it")
     if call.query.dtype not in KERNEL_DTYPES:
         return f"the kernels take float16 or bfloat16, got {call.query.dtype}"
     if kernel_head_dim(_widest_head_dim(call)) is None:

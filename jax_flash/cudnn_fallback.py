@@ -22,6 +22,18 @@ from jax_flash._validation import Call
 CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
 
 
+def _jax_nn_band(call: Call) -> tuple[bool, tuple[int, int] | None]:
+    """The call's band as jax.nn's `is_causal` and `local_window_size` (the same band where T == S):
+    unbounded sides of a window as a side of the whole key length."""
+    left, right = call.config.window_left, call.config.window_right
+    if right == 0 and left is None:
+        return True, None
+    if left is None and right is None:
+        return False, None
+    s = call.key.shape[1]
+    return False, (s if left is None else left, s if right is None else right)
+
+
 def reason(call: Call, return_residual: bool) -> str | None:
     """Why auto mode cannot hand this call to cuDNN (the kernels having refused it), or None."""
     if not _ffi.cuda_device_available():
@@ -36,8 +48,8 @@ def reason(call: Call, return_residual: bool) -> str | None:
         return "a bias or mask stays with the xla path (cuDNN's bias gradient, fully masked rows)"
     if call.query_seq_lengths is not None or call.key_value_seq_lengths is not None:
         return "sequence lengths move our diagonal and can empty rows; jax.nn's do neither"
-    banded = call.config.window_left is not None or call.config.window_right is not None
-    if banded and call.query.shape[1] != call.key.shape[1]:
+    is_causal, window = _jax_nn_band(call)
+    if (is_causal or window is not None) and call.query.shape[1] != call.key.shape[1]:
         return "a causal or window band with T != S: jax.nn aligns it top-left, we bottom-right"
     if return_residual:
         return "the log-sum-exp (return_residual) comes from the xla path"
@@ -48,15 +60,10 @@ def attention(call: Call) -> jax.Array | None:
     """The output of `jax.nn.dot_product_attention(..., implementation="cudnn")` for a call that
     `reason` allows, or None where `jax.nn` refuses it when traced (cuDNN's head dims, version or
     GPU)."""
-    cfg = call.config
-    s = call.key.shape[1]
-    is_causal = cfg.window_right == 0 and cfg.window_left is None
-    window = None
-    if not is_causal and (cfg.window_left is not None or cfg.window_right is not None):
-        # Unbounded sides as a side of the whole key length (T == S here).
-        window = (s if cfg.window_left is None else cfg.window_left, s if cfg.window_right is None else cfg.window_right)
+    is_causal, window = _jax_nn_band(call)
     try:
-        return jax.nn.dot_product_attention(call.query, call.key, call.value, scale=cfg.scale, is_causal=is_causal,
-                                            local_window_size=window, implementation="cudnn")  # fmt: skip
+        return jax.nn.dot_product_attention(call.query, call.key, call.value, scale=call.config.scale,
+                                            is_causal=is_causal, local_window_size=window,
+                                            implementation="cudnn")  # fmt: skip
     except (NotImplementedError, ValueError, RuntimeError):
         return None
