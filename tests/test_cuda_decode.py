@@ -89,6 +89,14 @@ def test_forced_split_counts(splits, monkeypatch):
     check(jnp.bfloat16, 2, 2, 2000, 16, 2, 128, [2000, 700], is_causal=True)
 
 
+@pytest.mark.parametrize("h", [64, 128, 256])
+def test_grids_past_two_ctas_an_sm(h):
+    """More CTAs than two an SM hold (40 x 8 kv heads, one split each, > 264 on an H100): the deep
+    ring of one CTA an SM (run_decode.cuh), with ragged lengths and a length 0."""
+    lengths = [(301 * i) % 1200 for i in range(40)]
+    check(jnp.bfloat16, 40, 1, 1200, 32, 8, h, lengths, is_causal=True)
+
+
 def test_long_cache_at_batch_one():
     """128k keys in 15 splits (the rule on an H100), four query heads to each kv head."""
     check(jnp.bfloat16, 1, 1, 131072, 32, 8, 128, [131072], is_causal=True)

@@ -12,10 +12,16 @@
 
 namespace jax_flash::decode {
 
-template <typename T_, int kHeadDim_>
+// kOneAnSm (H <= 128): the configuration of grids that take whole waves of one CTA an SM
+// (run_decode.cuh launches it so): each warp keeps one block in flight, not two. With 264 CTAs
+// (two an SM) or 132 of deeper rings streaming at once, HBM served 1-2% fewer bytes than with 132
+// of these (decode D9): past what hides the latency, more loads in flight only cost.
+template <typename T_, int kHeadDim_, bool kOneAnSm_ = false>
 struct Config {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kOneAnSm = kOneAnSm_;
+  static_assert(!kOneAnSm || kHeadDim <= 128, "one CTA an SM: four warps, H <= 128");
   // Two warps above H = 128: each warp keeps O (H / 2 fp32 a thread) and Q (H / 4 registers).
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 2;
   static constexpr int kThreads = kWarps * 32;
@@ -28,9 +34,9 @@ struct Config {
   static constexpr int kQBytes = kQInSmem ? kWarps * QTile::kBytes : 0;
   static constexpr int kSmemBudget = 96 * 1024;
   // Ring depth per warp: as deep as the budget allows, at most 8 (bytes in flight per SM are
-  // then far above what hides the HBM latency).
+  // then far above what hides the HBM latency); two stages (one in flight) one CTA an SM.
   static constexpr int kFitStages = (kSmemBudget - kQBytes) / (kWarps * kStageBytes);
-  static constexpr int kStages = kFitStages < 8 ? kFitStages : 8;
+  static constexpr int kStages = kOneAnSm ? 2 : kFitStages < 8 ? kFitStages : 8;
   static_assert(kStages >= 2, "a ring needs two stages");
   static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
   // The warps' O, m and l for the final merge (fp32, rows padded by 8 floats against bank

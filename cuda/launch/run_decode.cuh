@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "common/grid.cuh"
 #include "decode/combine_kernel.cuh"
 #include "decode/config.cuh"
@@ -35,6 +37,24 @@ cudaError_t launch_combine(const DecodeParams& p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&config, decode::combine_kernel<T, kHeadDim>, p);
 }
 
+// Whether a grid of `ctas` split CTAs runs as whole waves of one CTA an SM (Config's kOneAnSm):
+// more than two an SM hold (waves either way), or nearly whole waves of one an SM (at least 7/8
+// of the SMs busy in the last). A few CTAs past one wave would otherwise run alone at the end.
+inline bool one_cta_an_sm(int64_t ctas, int sms) {
+  if (sms <= 0 || ctas <= sms) return false;
+  return ctas > 2 * int64_t(sms) || ctas % sms == 0 || 8 * (ctas % sms) >= 7 * int64_t(sms);
+}
+
+// The split kernel over (splits, tiles, batch), with `smem` bytes of dynamic shared memory (at
+// least the configuration's; more keeps other CTAs off its SM).
+template <typename Cfg, Variant kVariant>
+cudaError_t launch_split(const DecodeParams& p, unsigned tiles, int smem, cudaStream_t stream) {
+  auto kernel = decode::split_kernel<Cfg, kVariant>;
+  if (cudaError_t e = allow_smem(kernel, smem); e != cudaSuccess) return e;
+  kernel<<<dim3(p.splits, tiles, p.batch), Cfg::kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   using Cfg = decode::Config<T, kHeadDim>;
@@ -44,10 +64,21 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
       (p.splits > 1 && (rows + decode::kCombineWarps - 1) / decode::kCombineWarps > INT32_MAX)) {
     return cudaErrorInvalidConfiguration;  // cuda_impl.py's decode rule keeps calls inside these
   }
-  auto kernel = decode::split_kernel<Cfg, kVariant>;
-  if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
-  kernel<<<dim3(p.splits, unsigned(tiles), p.batch), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || p.splits == 1) return e;
+  cudaError_t e = cudaSuccess;
+  if constexpr (kHeadDim <= 128) {
+    using OneAnSmCfg = decode::Config<T, kHeadDim, true>;
+    const DeviceLimits device = current_device_limits();
+    // Over half an SM's shared memory: no second CTA fits beside it.
+    const int smem = std::max(OneAnSmCfg::kSmemBytes, device.smem_per_sm / 2 + 1);
+    if (one_cta_an_sm(tiles * p.splits * p.batch, device.sms) && smem <= device.smem_optin) {
+      e = launch_split<OneAnSmCfg, kVariant>(p, unsigned(tiles), smem, stream);
+    } else {
+      e = launch_split<Cfg, kVariant>(p, unsigned(tiles), Cfg::kSmemBytes, stream);
+    }
+  } else {
+    e = launch_split<Cfg, kVariant>(p, unsigned(tiles), Cfg::kSmemBytes, stream);
+  }
+  if (e != cudaSuccess || p.splits == 1) return e;
   return launch_combine<T, kHeadDim>(p, stream);
 }
 
