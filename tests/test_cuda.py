@@ -18,6 +18,12 @@ from tests.cases import qkv, rng_for
 pytestmark = pytest.mark.gpu
 
 FWD_TOL, GRAD_TOL = 1e-2, 2e-2  # bf16/fp16 relative error bounds against float64
+# Our error may be this many times the xla path's (plus 1e-3). With logits in the hundreds or
+# thousands (key_growth), the backward kernels rebuild P from a recomputed S against the
+# forward's lse, and the Hopper one rounds P and dP - delta to bf16 before their product (perf
+# log B18): their dQ and dK then carry 2-2.4x the xla path's error (d = 64, growth 300, H100,
+# 2026-11-27: Hopper 9.2e-3, mma.sync 7.8e-3, xla 3.9e-3; 1.0-1.1x at ordinary logits).
+XLA_ERROR_FACTOR, STEEP_XLA_ERROR_FACTOR = 2.0, 2.5
 
 
 def poison_free_memory():
@@ -71,7 +77,8 @@ def check(dtype, b, t, s, n, kv_heads, h, key_growth=1.0, **kw):
         for name, bound, mine, xla_value, ref in checks:
             err, xla_err = reference.rel_error(mine, ref), reference.rel_error(xla_value, ref)
             assert err < bound, f"{family} {name}: {err:.2e} >= {bound} (xla path {xla_err:.2e})"
-            assert err <= 2 * xla_err + 1e-3, f"{family} {name}: {err:.2e} vs xla path {xla_err:.2e}"
+            factor = XLA_ERROR_FACTOR if key_growth == 1.0 else STEEP_XLA_ERROR_FACTOR
+            assert err <= factor * xla_err + 1e-3, f"{family} {name}: {err:.2e} vs xla path {xla_err:.2e}"
         assert ours[0].dtype == dtype and ours[1].dtype == jnp.float32
     return (q, k, v, g_out), results["best"]
 
