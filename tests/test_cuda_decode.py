@@ -91,8 +91,9 @@ def test_forced_split_counts(splits, monkeypatch):
 
 @pytest.mark.parametrize("h", [64, 128, 256])
 def test_grids_past_two_ctas_an_sm(h):
-    """More CTAs than two an SM hold (40 x 8 kv heads, one split each, > 264 on an H100): the deep
-    ring of one CTA an SM (run_decode.cuh), with ragged lengths and a length 0."""
+    """More CTAs than two an SM hold (40 x 8 kv heads, one split each, > 264 on an H100): up to
+    H = 128 the configuration launched one CTA an SM (run_decode.cuh), with ragged lengths and a
+    length 0."""
     lengths = [(301 * i) % 1200 for i in range(40)]
     check(jnp.bfloat16, 40, 1, 1200, 32, 8, h, lengths, is_causal=True)
 
