@@ -40,6 +40,7 @@
 #include "sm90/fwd/block_mask.cuh"
 #include "sm90/fwd/config.cuh"
 #include "sm90/fwd/epilogue.cuh"
+#include "sm90/fwd/online_softmax.cuh"
 #include "sm90/fwd/producer.cuh"
 #include "sm90/fwd/products.cuh"
 #include "sm90/fwd/shared_memory.cuh"
@@ -102,7 +103,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kORegs = Cfg::kOChunkCols / 2;
   const auto logits = Logits<cap_of(kVariant)>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
-  constexpr float kLazyRescaleLog2 = 8.f;  // see the softmax
+  // With a cap at H = 64, whose softmax the MUFU bounds (a tanh and an exp2 a logit, twice the
+  // tensor cores' time), one element in four takes its exp2 on the FMA pipe (H27).
+  constexpr int kExp2OnFmaQuarters = kSoftcap && kHeadDim == 64 ? 1 : 0;
+  using Softmax = FwdSoftmax<kSRegs, kExp2OnFmaQuarters, Logits<cap_of(kVariant)>>;
 
   // The consumers take turns issuing their wgmma (fwd/turns.cuh).
   const ConsumerTurns<Cfg::kConsumers> turns{consumer};
@@ -138,7 +142,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const Band& band = w.band;
 
     float o[Cfg::kOChunks][kORegs];
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};  // row_sum: this thread's columns
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    Softmax softmax{logits, scale_log2, row_max, row_sum};
 #pragma unroll
     for (int c = 0; c < Cfg::kOChunks; ++c)
 #pragma unroll
@@ -230,44 +235,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if (b.mask != nullptr) ptx::prefetch_l1(b.mask + row * b.mask_row + k);
       }
     };
-    // A row that has seen nothing visible keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
-    auto shift_of = [&](int r) { return row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2; };
-    // With a cap at H = 64, whose softmax the MUFU bounds (a tanh and an exp2 a logit, twice the
-    // tensor cores' time), one element in four takes its exp2 on the FMA pipe (H27).
-    constexpr int kExp2OnFmaQuarters = kSoftcap && kHeadDim == 64 ? 1 : 0;
-    auto exponentiate = [&](float (&s)[kSRegs], int r, float shift, bool capped) {
-      return sm90::exponentiate<kExp2OnFmaQuarters>(s, r, shift, capped, logits, scale_log2);
-    };
-    // The online softmax of block j, exact: the rows' maxima first, then S becomes exp2(S - max)
-    // in place; returns the factor O must be scaled by.
+    // The online softmax of block j, exact (fwd/online_softmax.cuh).
     auto softmax_exact = [&](float (&s)[kSRegs], int j, float (&rescale)[2]) {
       cap_and_mask(s, j, block_mask(j));
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float block_max = fmaxf(row_max[r], block_row_max(s, r));
-        // Lazy rescale (FlashAttention-4's): the row keeps its old max, and O its scale, unless the
-        // block exceeds it by more than kLazyRescaleLog2, so exp2 gives at most 2^8. The
-        // comparison is false (inf or NaN) while the row has seen nothing visible.
-        const bool keep = (block_max - row_max[r]) * scale_log2 <= kLazyRescaleLog2;
-        const float old_max = row_max[r];
-        if (!keep) row_max[r] = block_max;
-        const float shift = shift_of(r);
-        rescale[r] = keep ? 1.f : ptx::exp2(old_max * scale_log2 - shift);
-        row_sum[r] = row_sum[r] * rescale[r] + exponentiate(s, r, shift, false);
-      }
+      softmax.exact(s, rescale);
     };
     // The same, speculative: exp2 against the rows' current maxima straight away, without taking
-    // the block's (its FMNMX were a sixth of the softmax's instructions, and the exp2s waited for
-    // them; H15). Where a thread's sum of a row exceeds 2^8 (so may an
-    // element: the bound the exact softmax keeps), the warp takes the maxima of what it computed
-    // and scales it down. An element past 2^120 is lost (past 2^128 it is inf, and 1 / it flushes
-    // to 0 from 2^126): the tile is listed for the redo pass, which computes it again exactly. That
-    // takes a logit above every earlier one of its row by 83 (scaled logit units). A warp with a
-    // row that has no max yet takes the exact softmax (against a shift of 0, a block's logits
-    // could all flush to 0).
+    // the block's (H15). A tile with an element lost (a logit above every earlier one of its row
+    // by 83 scaled units) is listed for the redo pass, which computes it again exactly.
     auto softmax_speculative = [&](float (&s)[kSRegs], int j, float (&rescale)[2], int tile) {
-      constexpr float kMaxP = 1 << int(kLazyRescaleLog2), kLostP = 0x1p120f;
-      if (!__all_sync(0xffffffff, row_max[0] != -INFINITY && row_max[1] != -INFINITY)) {
+      if (!softmax.warp_has_maxima()) {
         softmax_exact(s, j, rescale);
         return;
       }
@@ -282,7 +259,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       constexpr bool kCapInOnePass = kSoftcap && kHeadDim >= 128;
       if constexpr (kCapInOnePass) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) sum[r] = exponentiate(s, r, row_max[r] * scale_log2, true);
+        for (int r = 0; r < 2; ++r) sum[r] = softmax.speculate(s, r, true);
         if (!bm.whole) {
           mask_band(s, j, bm, 0.f);
 #pragma unroll
@@ -291,34 +268,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       } else {
         cap_and_mask(s, j, bm);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) sum[r] = exponentiate(s, r, row_max[r] * scale_log2, false);
+        for (int r = 0; r < 2; ++r) sum[r] = softmax.speculate(s, r, false);
       }
-      if (__all_sync(0xffffffff, sum[0] <= kMaxP && sum[1] <= kMaxP)) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          rescale[r] = 1.f;
-          row_sum[r] += sum[r];
-        }
+      if (softmax.within_bound(sum)) {
+        softmax.accept(sum, rescale);
         return;
       }
-      bool lost = false;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float m = block_row_max(s, r);  // in units of 2^shift
-        lost |= !(m < kLostP);
-        rescale[r] = 1.f;
-        if (m > kMaxP && m < kLostP) {
-          rescale[r] = 1.f / m;
-          row_max[r] += __log2f(m) / scale_log2;
-          sum[r] *= rescale[r];
-#pragma unroll
-          for (int n8 = 0; n8 < kBlockN / 8; ++n8)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) s[4 * n8 + 2 * r + c] *= rescale[r];
-        }
-        row_sum[r] = row_sum[r] * rescale[r] + sum[r];
-      }
-      if (__any_sync(0xffffffff, lost) && lane == 0) {
+      if (softmax.scale_down(s, sum, rescale) && lane == 0) {
         int* scratch = p.tile_scratch;
         if (atomicExch(scratch + FwdScratch::kFlags + tile, 1) == 0) {
           scratch[FwdScratch::redo_list(Work::all_tiles(p)) + atomicAdd(scratch + FwdScratch::kRedoCount, 1)] = tile;
