@@ -115,6 +115,36 @@ def kernel_family() -> int:
     return _KERNEL_FAMILIES[name]
 
 
+# Shared memory a block may opt in to, by compute capability (the CUDA programming guide); other
+# GPUs are taken as the smallest of these. The Hopper kernels run on 9.0 alone; the mma.sync
+# backward takes 114-209 KB a block, more than sm_86 and sm_89 allow.
+SMEM_OPTIN_BY_CAPABILITY = {(8, 0): 166912, (8, 7): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448}
+# A number of bytes: the limit the dispatch assumes instead of the GPU's (read when a call is
+# traced). With JAX_FLASH_KERNELS=sm80 on an H100, 101376 runs the mma.sync kernels as an sm_86 or
+# sm_89 GPU would take them.
+SMEM_LIMIT_ENV = "JAX_FLASH_SMEM_LIMIT"
+
+
+def smem_limit() -> int:
+    """Bytes of shared memory a block may use on the default GPU, as the dispatch assumes."""
+    forced = os.environ.get(SMEM_LIMIT_ENV)
+    if forced:
+        if not forced.isdigit():
+            raise ValueError(f"{SMEM_LIMIT_ENV} must be a number of bytes, got {forced!r}")
+        return int(forced)
+    return SMEM_OPTIN_BY_CAPABILITY.get(device_capability(), min(SMEM_OPTIN_BY_CAPABILITY.values()))
+
+
+def backward_kernels_fit(head_dim: int) -> bool:
+    """Whether the backward kernels that run a (kernel) head dim on the default GPU fit its shared
+    memory: the Hopper ones on 9.0 (227 KB), unless JAX_FLASH_KERNELS=sm80; the mma.sync ones
+    wherever their block's bytes are within smem_limit()."""
+    hopper = device_capability() == (9, 0) and kernel_family() == 0 and head_dim in _contract.BWD_SM90_HEAD_DIMS
+    if hopper:
+        return True
+    return extension().sm80_backward_smem_bytes(head_dim) <= smem_limit()
+
+
 # Bit-reproducible gradients (read when a call is traced): "1" makes the backward kernels add their
 # dQ parts in a fixed order (key block after key block) instead of as they finish; a few percent
 # slower. "0" (default) or unset: any order.

@@ -120,7 +120,7 @@ def attention(
     if has_nothing_to_compute(call):
         out, lse = nothing_computed(call)
     elif uses_cuda(call, implementation):
-        out, lse = cuda_impl.attention(call)
+        out, lse = cuda_impl.attention(call, strict=implementation == "cuda")
     elif (out := cudnn_output(call, implementation, return_residual)) is not None:
         lse = None  # not asked for (cudnn_fallback)
     else:

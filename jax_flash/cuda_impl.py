@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from jax_flash import _contract, _decode, _ffi
+from jax_flash import _contract, _decode, _ffi, xla_impl
 from jax_flash._masks import KernelMasks, kernel_masks
 from jax_flash._validation import AttentionConfig, Call
 
@@ -142,13 +142,16 @@ def _kernel_masks(q, k, q_len, kv_len, q_seg, kv_seg) -> KernelMasks:
     return kernel_masks(q.shape[0], q.shape[1], k.shape[1], q_len, kv_len, q_seg, kv_seg)
 
 
-def attention(call: Call) -> tuple[jax.Array, jax.Array]:
-    """(output [B, T, N, H], lse [B, T, N] float32) from the CUDA kernels."""
+def attention(call: Call, strict: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(output [B, T, N, H], lse [B, T, N] float32) from the CUDA kernels. Its gradient comes from
+    the backward kernels, or where this GPU's shared memory is too small for them
+    (`_ffi.backward_kernels_fit`) from the xla path's backward; `strict` (implementation="cuda")
+    raises a ValueError there instead."""
     call = mask_as_segments(call)
     padded = kernel_head_dim(_widest_head_dim(call))
     q, k, v = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value))
     bias, mask = _bias_arrays(call)
-    out, lse = _flash(call.config, q, k, v, bias, mask, *_mask_arrays(call))
+    out, lse = _flash(call.config, strict, q, k, v, bias, mask, *_mask_arrays(call))
     return out[..., : call.value.shape[-1]], lse
 
 
@@ -160,7 +163,7 @@ def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, 
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))
     masks = _mask_arrays(call)
     residuals = (q, k, v, *_bias_arrays(call), None, out, lse.transpose(0, 2, 1), masks, _kernel_masks(q, k, *masks))
-    dq, dk, dv = _flash_bwd(call.config, residuals, (d_out, d_lse))[:3]
+    dq, dk, dv = _flash_bwd(call.config, False, residuals, (d_out, d_lse))[:3]
     head_dim, value_dim = call.query.shape[-1], call.value.shape[-1]
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_dim]
 
@@ -179,13 +182,13 @@ def _forward(config: AttentionConfig, q, k, v, bias, mask, masks):
     return *_ffi.forward(config, q, k, v, kernel, bias, mask), kernel
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(config: AttentionConfig, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash(config: AttentionConfig, strict: bool, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
     out, lse, _ = _forward(config, q, k, v, bias, mask, (q_len, kv_len, q_seg, kv_seg))
     return out, lse.transpose(0, 2, 1)
 
 
-def _flash_fwd(config: AttentionConfig, q, k, v, bias, mask, *masks):
+def _flash_fwd(config: AttentionConfig, strict: bool, q, k, v, bias, mask, *masks):
     # symbolic_zeros: the arguments come as CustomVJPPrimal, which says whether the bias is
     # differentiated; the backward computes its gradient only then (a residual of None: not).
     differentiated_bias = bias.value if bias.perturbed else None
@@ -194,19 +197,29 @@ def _flash_fwd(config: AttentionConfig, q, k, v, bias, mask, *masks):
     return (out, lse.transpose(0, 2, 1)), (q, k, v, bias, mask, differentiated_bias, out, lse, masks, kernel)
 
 
-def _flash_bwd(config: AttentionConfig, residuals, cotangents):
+def _flash_bwd(config: AttentionConfig, strict: bool, residuals, cotangents):
     q, k, v, bias, mask, differentiated_bias, out, lse, masks, kernel = residuals
     want_dbias = differentiated_bias is not None
     # Outputs that the loss does not use come as symbolic zeros. An unused lse (the usual case)
     # passes an empty [B, N, 0] cotangent, which the kernels read as zero: no zeros to write.
     d_out, d_lse = cotangents
     d_out = jnp.zeros(d_out.shape, d_out.dtype) if isinstance(d_out, SymbolicZero) else d_out
-    b, _, n, _ = q.shape
-    d_lse = jnp.zeros((b, n, 0), jnp.float32) if isinstance(d_lse, SymbolicZero) else d_lse.transpose(0, 2, 1)
+    b, t, n, _ = q.shape
     # A head dim without backward kernels (192) takes the next one up, zero-padded: zero columns
     # change no logit and get zero gradients.
     head_dim = q.shape[-1]
     padded = kernel_head_dim(head_dim, BWD_HEAD_DIMS)
+    if not _ffi.backward_kernels_fit(padded):
+        if strict:
+            raise ValueError(
+                f"implementation='cuda' cannot differentiate this call: the backward kernels at head dim {padded} "
+                f"need more shared memory a block than this GPU allows ({_ffi.smem_limit()} bytes); "
+                "implementation=None takes the xla path's backward there")  # fmt: skip
+        d_lse = jnp.zeros((b, t, n), jnp.float32) if isinstance(d_lse, SymbolicZero) else d_lse
+        call = Call(q, k, v, bias if bias.size else None, mask if mask.size else None, *masks, config, True)
+        dq, dk, dv, dbias = xla_impl.backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse)
+        return dq, dk, dv, dbias if want_dbias else None, *(None,) * 5
+    d_lse = jnp.zeros((b, n, 0), jnp.float32) if isinstance(d_lse, SymbolicZero) else d_lse.transpose(0, 2, 1)
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (q, k, v, out, d_out))
     *grads, dbias = _ffi.backward(config, q, k, v, out, lse, d_out, d_lse, kernel, bias, mask, want_dbias)
     dbias = dbias.astype(bias.dtype) if want_dbias else None

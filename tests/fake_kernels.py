@@ -6,6 +6,8 @@ the CUDA checks faked), `implementation="cuda"` runs its real Python on CPU: bat
 mask operands and the partitioning of the calls over sharded inputs.
 """
 
+import types
+
 import jax.numpy as jnp
 
 from jax_flash import _ffi, paged, xla_impl
@@ -59,7 +61,10 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
 
 def install(monkeypatch):
     """Make `implementation="cuda"` run on CPU through `call_kernel`."""
-    monkeypatch.setattr(_ffi, "extension", lambda: object())
+    # The module's one query the dispatch makes: shared memory of the mma.sync backward (0: it
+    # fits every GPU; tests of the limit put their own sizes here).
+    module = types.SimpleNamespace(sm80_backward_smem_bytes=lambda head_dim: 0)
+    monkeypatch.setattr(_ffi, "extension", lambda: module)
     monkeypatch.setattr(_ffi, "cuda_device_available", lambda: True)
     monkeypatch.setattr(_ffi, "device_capability", lambda: (9, 0))
     monkeypatch.setattr(_ffi, "register_targets", lambda: ())

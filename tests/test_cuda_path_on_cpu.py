@@ -248,3 +248,60 @@ def test_handlers_are_registered_for_cuda_graphs(monkeypatch):
     compatible = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
     assert [(a[0], kw.get("platform"), kw.get("traits")) for a, kw in registered] == [
         ("jax_flash_fwd", "CUDA", compatible), ("jax_flash_decode", "CUDA", compatible)]  # fmt: skip
+
+
+def _smaller_gpu(monkeypatch, capability, smem_bytes):
+    """The stand-in module's mma.sync backward takes `smem_bytes` a block on a GPU of `capability`."""
+    module = types.SimpleNamespace(sm80_backward_smem_bytes=lambda head_dim: smem_bytes)
+    monkeypatch.setattr(_ffi, "extension", lambda: module)
+    monkeypatch.setattr(_ffi, "device_capability", lambda: capability)
+
+
+@pytest.mark.parametrize("capability,smem_bytes,fits", [
+    ((9, 0), 10**6, True),  # Hopper's own backward (head dim 64)
+    ((8, 0), 165888, True),  # the d = 128 mma.sync backward within an A100's 163 KB
+    ((8, 0), 214016, False),  # the d = 256 one is not
+    ((8, 6), 116736, False),  # no mma.sync backward fits sm_86's 99 KB
+    ((8, 9), 101376, True),
+    ((12, 0), 101376, True),  # an unknown GPU: taken as the smallest limit
+    ((12, 0), 101377, False),
+])  # fmt: skip
+def test_backward_kernels_fit_the_gpus_shared_memory(monkeypatch, capability, smem_bytes, fits):
+    _smaller_gpu(monkeypatch, capability, smem_bytes)
+    monkeypatch.delenv(_ffi.SMEM_LIMIT_ENV, raising=False)
+    assert _ffi.backward_kernels_fit(64) is fits
+
+
+def test_a_shared_memory_limit_set_for_tests(monkeypatch):
+    """JAX_FLASH_SMEM_LIMIT replaces the GPU's limit; with JAX_FLASH_KERNELS=sm80 the Hopper backward
+    is not taken, so an H100 checks the mma.sync kernels as an sm_86 GPU would."""
+    _smaller_gpu(monkeypatch, (9, 0), 116736)
+    monkeypatch.setenv(_ffi.KERNELS_ENV, "sm80")
+    assert _ffi.backward_kernels_fit(64)
+    monkeypatch.setenv(_ffi.SMEM_LIMIT_ENV, "101376")
+    assert _ffi.smem_limit() == 101376 and not _ffi.backward_kernels_fit(64)
+    monkeypatch.setenv(_ffi.SMEM_LIMIT_ENV, "99KB")
+    with pytest.raises(ValueError, match=_ffi.SMEM_LIMIT_ENV):
+        _ffi.smem_limit()
+
+
+@pytest.mark.parametrize("case", ["causal", "bias", "lengths_causal"])
+def test_a_backward_beyond_the_gpus_shared_memory_takes_the_xla_path(kernel_calls, monkeypatch, case):
+    """On a GPU whose shared memory the backward kernels exceed, auto mode keeps the forward kernels
+    and takes the gradients from the xla path's backward (the same values, no backward kernel);
+    implementation="cuda" says why it cannot differentiate the call."""
+    _smaller_gpu(monkeypatch, (8, 6), 116736)
+    rng = rng_for("cuda-path-smem", case)
+    b, t, s, n, kv_heads, h = 2, 40, 56, 4, 2, 40
+    q, k, v = qkv(rng, jnp.bfloat16, b, t, s, n, kv_heads, h)
+    kw = CASES[case](rng, b, n, t, s)
+    args = (q, k, v) + ((kw["bias"],) if "bias" in kw else ())
+    argnums = tuple(range(len(args)))
+    grads = jax.grad(_loss(None, kw), argnums)(*args)
+    for mine, ref in zip(grads, jax.grad(_loss("xla", kw), argnums)(*args), strict=True):
+        assert mine.shape == ref.shape and mine.dtype == ref.dtype
+        assert reference.rel_error(mine, ref) < 2e-2
+    targets = [target for target, _ in kernel_calls]
+    assert "jax_flash_fwd" in targets and "jax_flash_bwd" not in targets
+    with pytest.raises(ValueError, match="cannot differentiate this call.*shared memory"):
+        jax.grad(_loss("cuda", kw), argnums)(*args)

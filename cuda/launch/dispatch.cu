@@ -7,6 +7,7 @@
 #include "common/bias.cuh"
 #include "launch/device.h"
 #include "launch/dispatch.h"
+#include "sm80/traits.cuh"
 #include "sm90/bwd_bias_tiles.cuh"
 
 namespace jax_flash {
@@ -119,6 +120,15 @@ cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, cudaSt
 
 cudaError_t run_decode(DType dtype, const DecodeParams& p, cudaStream_t stream) {
   return dtype == DType::kFloat16 ? decode_for<__half>(p, stream) : decode_for<__nv_bfloat16>(p, stream);
+}
+
+int sm80_backward_smem_bytes(int head_dim) {
+  int bytes = 0;
+  for_head_dim(contract::BwdHeadDims{}, head_dim, [&](auto d) {
+    bytes = sm80::BwdConfig<__nv_bfloat16, decltype(d)::value>::kSmemBytes;  // the same for fp16
+    return cudaSuccess;
+  });
+  return bytes;
 }
 
 }  // namespace jax_flash
