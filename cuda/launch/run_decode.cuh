@@ -64,21 +64,19 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
       (p.splits > 1 && (rows + decode::kCombineWarps - 1) / decode::kCombineWarps > INT32_MAX)) {
     return cudaErrorInvalidConfiguration;  // cuda_impl.py's decode rule keeps calls inside these
   }
-  cudaError_t e = cudaSuccess;
-  if constexpr (kHeadDim <= 128) {
-    using OneAnSmCfg = decode::Config<T, kHeadDim, true>;
-    const DeviceLimits device = current_device_limits();
-    // Over half an SM's shared memory: no second CTA fits beside it.
-    const int smem = std::max(OneAnSmCfg::kSmemBytes, device.smem_per_sm / 2 + 1);
-    if (one_cta_an_sm(tiles * p.splits * p.batch, device.sms) && smem <= device.smem_optin) {
-      e = launch_split<OneAnSmCfg, kVariant>(p, unsigned(tiles), smem, stream);
-    } else {
-      e = launch_split<Cfg, kVariant>(p, unsigned(tiles), Cfg::kSmemBytes, stream);
+  auto launch = [&] {
+    if constexpr (kHeadDim <= 128) {
+      using OneAnSmCfg = decode::Config<T, kHeadDim, true>;
+      const DeviceLimits device = current_device_limits();
+      // Over half an SM's shared memory: no second CTA fits beside it.
+      const int smem = std::max(OneAnSmCfg::kSmemBytes, device.smem_per_sm / 2 + 1);
+      if (one_cta_an_sm(tiles * p.splits * p.batch, device.sms) && smem <= device.smem_optin) {
+        return launch_split<OneAnSmCfg, kVariant>(p, unsigned(tiles), smem, stream);
+      }
     }
-  } else {
-    e = launch_split<Cfg, kVariant>(p, unsigned(tiles), Cfg::kSmemBytes, stream);
-  }
-  if (e != cudaSuccess || p.splits == 1) return e;
+    return launch_split<Cfg, kVariant>(p, unsigned(tiles), Cfg::kSmemBytes, stream);
+  };
+  if (cudaError_t e = launch(); e != cudaSuccess || p.splits == 1) return e;
   return launch_combine<T, kHeadDim>(p, stream);
 }
 
