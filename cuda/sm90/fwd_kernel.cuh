@@ -37,7 +37,9 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "sm90/fwd/block_logits.cuh"
 #include "sm90/fwd/block_mask.cuh"
+#include "sm90/fwd/block_softmax.cuh"
 #include "sm90/fwd/config.cuh"
 #include "sm90/fwd/epilogue.cuh"
 #include "sm90/fwd/online_softmax.cuh"
@@ -67,7 +69,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
   constexpr int kStages = Cfg::kStages;
   constexpr float kLog2e = 1.4426950408889634f;
-  constexpr bool kBias = kVariant == Variant::kEverything, kSoftcap = kVariant == Variant::kSoftcap;
+  constexpr bool kSoftcap = kVariant == Variant::kSoftcap;
   using Work = FwdWork<Cfg, kVariant, kRedo>;
   // The consumers read each tile's work where the producer published it (FwdWork), except in the
   // redo pass and the capped H = 256 kernel, whose consumers then spilled (56-152 and 24 bytes);
@@ -77,7 +79,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   extern __shared__ char smem[];
   const auto shared = FwdSharedMemory<Cfg>::of(smem);
-  constexpr bool kBiasTiles = Cfg::kBiasRegionBytes > 0;
 
   if (threadIdx.x == 0) shared.init_barriers();
   __syncthreads();
@@ -139,7 +140,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     const Work w = kReadsWork ? Work::load(shared.template tile_slot_ptr<Work>(n), p) : Work::of(tile, p);
     const int q_first = w.q_first, blocks = w.blocks;
-    const Band& band = w.band;
 
     float o[Cfg::kOChunks][kORegs];
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
@@ -183,104 +183,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int stage = stage_of(j);
       sm90::issue_pv<Cfg>(o, pa, shared.v(stage), shared.v_full(stage), phase_of(j));
     };
-    // Soft cap (the kEverything variant: where the call has one), bias and boolean mask, then the
-    // band mask (fwd/block_mask.cuh).
-    constexpr bool kOneSegmentKeys = Work::kOneSegmentKeys;
-    auto block_mask = [&](int j) {
-      const int k_first = w.key_first(j);
-      const bool one_segment =
-          kOneSegmentKeys && k_first >= w.one_segment_keys.begin && k_first + kBlockN <= w.one_segment_keys.end;
-      const bool whole = kOneSegmentKeys
-                             ? one_segment && band.inside_band(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)
-                             : band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1);
-      return BlockMask{whole, one_segment};
-    };
-    auto mask_band = [&](float (&s)[kSRegs], int j, BlockMask bm, float fill) {
-      const int q[2] = {q_first + row_in_tile(0), q_first + row_in_tile(1)};
-      sm90::mask_band(s, band, q, w.key_first(j), lane, bm, fill);
-    };
-    auto cap_and_mask = [&](float (&s)[kSRegs], int j, BlockMask bm) {
-      const int k_first = w.key_first(j);
-      if constexpr (kSoftcap || kBias) {
-#pragma unroll
-        for (int i = 0; i < kSRegs; ++i) s[i] = logits.value(s[i]);
-      }
-      if constexpr (kBiasTiles) {
-        const auto tiles = Cfg::BiasTiles::of(p, sizeof(T));
-        const uint32_t stage = tiles.stage_of(it + j);
-        ptx::mbarrier_wait(shared.bias_full() + 8 * stage, tiles.use_of(it + j) & 1);
-        const char* bias_tile = smem + (shared.bias_region() - ptx::smem_addr(smem)) + stage * tiles.tile_bytes();
-        add_tile_bias_rows<T, typename Cfg::BiasTiles>(s, bias_tile, tiles.bias_bytes, p.bias_fp32,
-                                                       tiles.mask_bytes != 0, row_in_tile(0), lane, 1.f / logits.unit);
-        ptx::mbarrier_arrive(shared.bias_empty() + 8 * stage);
-      } else if constexpr (kBias) {
-        // Made each block from the parameters (constant memory) rather than kept across the
-        // tile: its pointers and strides would hold a dozen registers.
-        const int q[2] = {q_first + row_in_tile(0), q_first + row_in_tile(1)};
-        add_bias_pairs<T, kBlockN / 8>(LogitBias<T>::from(p, w.batch, w.head, logits.unit), s, q,
-                                       k_first + (lane % 4) * 2);
-      }
-      if (!bm.whole) mask_band(s, j, bm, -INFINITY);
-    };
-    // The bias's and mask's lines of block j into L1 while S_j is computed (cap_and_mask reads
-    // them when it has landed): a quad's four threads take its two rows' two 64-key halves.
-    auto prefetch_bias = [&](int j) {
-      if constexpr (kBias && !kBiasTiles) {
-        const LogitBias<T> b = LogitBias<T>::from(p, w.batch, w.head, logits.unit);
-        const int64_t row = min(q_first + row_in_tile((lane % 4) / 2), b.last_q);
-        const int k = min(w.key_first(j) + (lane % 2) * 64, b.last_k);
-        if (b.bias != nullptr) {
-          ptx::prefetch_l1(b.bias + (row * b.bias_row + k) * (b.bias_fp32 ? 4 : int(sizeof(T))));
-        }
-        if (b.mask != nullptr) ptx::prefetch_l1(b.mask + row * b.mask_row + k);
-      }
-    };
-    // The online softmax of block j, exact (fwd/online_softmax.cuh).
-    auto softmax_exact = [&](float (&s)[kSRegs], int j, float (&rescale)[2]) {
-      cap_and_mask(s, j, block_mask(j));
-      softmax.exact(s, rescale);
-    };
-    // The same, speculative: exp2 against the rows' current maxima straight away, without taking
-    // the block's (H15). A tile with an element lost (a logit above every earlier one of its row
-    // by 83 scaled units) is listed for the redo pass, which computes it again exactly.
-    auto softmax_speculative = [&](float (&s)[kSRegs], int j, float (&rescale)[2], int tile) {
-      if (!softmax.warp_has_maxima()) {
-        softmax_exact(s, j, rescale);
-        return;
-      }
-      float sum[2];
-      const BlockMask bm = block_mask(j);
-      // With a cap at H >= 128, each element's tanh and exp2 in one pass, masked after it (to 0,
-      // the row's sum taken again): the MUFU bounds the capped softmax, and with no mask between
-      // a tanh pass and an exp2 pass the compiler fills the MUFU's gaps with the FMULs and FFMAs
-      // that otherwise ran before each pass, the MUFU idle (H26; slower at H = 64). A masked
-      // logit's exp2 against the row's max may overflow to inf (e^2c), never NaN: the max is
-      // finite here.
-      constexpr bool kCapInOnePass = kSoftcap && kHeadDim >= 128;
-      if constexpr (kCapInOnePass) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) sum[r] = softmax.speculate(s, r, true);
-        if (!bm.whole) {
-          mask_band(s, j, bm, 0.f);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) sum[r] = thread_row_sum(s, r);
-        }
-      } else {
-        cap_and_mask(s, j, bm);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) sum[r] = softmax.speculate(s, r, false);
-      }
-      if (softmax.within_bound(sum)) {
-        softmax.accept(sum, rescale);
-        return;
-      }
-      if (softmax.scale_down(s, sum, rescale) && lane == 0) {
-        int* scratch = p.tile_scratch;
-        if (atomicExch(scratch + FwdScratch::kFlags + tile, 1) == 0) {
-          scratch[FwdScratch::redo_list(Work::all_tiles(p)) + atomicAdd(scratch + FwdScratch::kRedoCount, 1)] = tile;
-        }
-      }
-    };
+    // The cap, bias and masks of each block's logits (fwd/block_logits.cuh).
+    const FwdBlockLogits<Cfg, kVariant, Work> block_logits{p, w, logits, shared, smem, it, consumer, warp, lane};
+    // Each block's logits capped and masked, then exponentiated (fwd/block_softmax.cuh).
+    const FwdBlockSoftmax<Softmax, decltype(block_logits)> block_softmax{softmax, block_logits};
     auto fence_o = [&] {
 #pragma unroll
       for (int c = 0; c < Cfg::kOChunks; ++c) ptx::fence_registers(o[c]);
@@ -297,27 +203,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       started = true;
       turns.wait();
       issue_s(s, 0);
-      prefetch_bias(0);
+      block_logits.prefetch_bias(0);
       turns.pass();
       release_staging();
       ptx::wgmma_wait<0>();
       ptx::fence_registers(s);
       release_k(0);
-      softmax_exact(s, 0, rescale);
+      block_softmax.exact(s, 0, rescale);
       to_operand<T>(s, pa);
       for (int j = 1; j < blocks; ++j) {
         turns.wait();
         issue_s(s, j);
-        prefetch_bias(j);
+        block_logits.prefetch_bias(j);
         issue_pv(pa, j - 1);
         turns.pass();
         ptx::wgmma_wait<1>();  // S_j is in; P_{j-1} V_{j-1} may still run
         ptx::fence_registers(s);
         release_k(j);
         if constexpr (kRedo) {
-          softmax_exact(s, j, rescale);
+          block_softmax.exact(s, j, rescale);
         } else {
-          softmax_speculative(s, j, rescale, tile);
+          block_softmax.template speculative<kSoftcap && kHeadDim >= 128>(s, j, rescale, tile);
         }
         ptx::wgmma_wait<0>();
         fence_o();
