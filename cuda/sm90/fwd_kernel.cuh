@@ -42,6 +42,7 @@
 #include "sm90/fwd/block_softmax.cuh"
 #include "sm90/fwd/config.cuh"
 #include "sm90/fwd/epilogue.cuh"
+#include "sm90/fwd/key_ring.cuh"
 #include "sm90/fwd/online_softmax.cuh"
 #include "sm90/fwd/producer.cuh"
 #include "sm90/fwd/products.cuh"
@@ -67,7 +68,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = typename Cfg::T;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
-  constexpr int kStages = Cfg::kStages;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool kSoftcap = kVariant == Variant::kSoftcap;
   using Work = FwdWork<Cfg, kVariant, kRedo>;
@@ -149,40 +149,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < kORegs; ++i) o[c][i] = 0.f;
 
-    // Stage and phase of this tile's key block j.
-    auto stage_of = [&](int j) { return (it + j) % kStages; };
-    auto phase_of = [&](int j) { return ((it + j) / kStages) & 1; };
-    // S = Q K_j^T issued (not waited for): k16 steps along the head dim, 4 per 64-column panel
-    // (32 bytes each).
-    auto issue_s = [&](float (&s)[kSRegs], int j) {
-      const int stage = stage_of(j);
-      const uint64_t q_desc = ptx::smem_desc_sw128(shared.q + consumer_uniform * 64 * 128, 0);
-      const uint64_t k_desc = ptx::smem_desc_sw128(shared.k(stage), 0);
-      ptx::mbarrier_wait(shared.k_full(stage), phase_of(j));
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        ptx::wgmma_ss(s, ptx::desc_advance(q_desc, (ks / 4) * kBlockM * 128 + (ks % 4) * 32),
-                      ptx::desc_advance(k_desc, (ks / 4) * kBlockN * 128 + (ks % 4) * 32), ks > 0, T{});
-      }
-      ptx::wgmma_commit();
-    };
-    // S_j has landed: its K stage is free, and after the tile's last block so is Q's buffer.
-    // With kStagedStore the last block's K stage stays taken: O is staged there, and each
-    // consumer frees its half once the store has read it (release_staging).
-    auto release_k = [&](int j) {
-      if (kStagedStore && j == blocks - 1) {
-        ptx::mbarrier_arrive(shared.last_s_landed());
-      } else {
-        ptx::mbarrier_arrive(shared.k_empty(stage_of(j)));
-      }
-      if (j == blocks - 1) ptx::mbarrier_arrive(shared.q_empty());
-    };
-    // O += P V_j issued, not waited for (fwd/products.cuh).
-    auto issue_pv = [&](const uint32_t (&pa)[kBlockN / 16][4], int j) {
-      const int stage = stage_of(j);
-      sm90::issue_pv<Cfg>(o, pa, shared.v(stage), shared.v_full(stage), phase_of(j));
-    };
+    // This tile's key blocks in the ring: products issued, stages released (fwd/key_ring.cuh).
+    const FwdKeyRing<Cfg> ring{shared, it, blocks, consumer_uniform};
     // The cap, bias and masks of each block's logits (fwd/block_logits.cuh).
     const FwdBlockLogits<Cfg, kVariant, Work> block_logits{p, w, logits, shared, smem, it, consumer, warp, lane};
     // Each block's logits capped and masked, then exponentiated (fwd/block_softmax.cuh).
@@ -202,24 +170,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (consumer == kLastConsumer && !started) turns.pass();  // opens consumer 0's first turn
       started = true;
       turns.wait();
-      issue_s(s, 0);
+      ring.issue_s(s, 0);
       block_logits.prefetch_bias(0);
       turns.pass();
       release_staging();
       ptx::wgmma_wait<0>();
       ptx::fence_registers(s);
-      release_k(0);
+      ring.release_k(0);
       block_softmax.exact(s, 0, rescale);
       to_operand<T>(s, pa);
       for (int j = 1; j < blocks; ++j) {
         turns.wait();
-        issue_s(s, j);
+        ring.issue_s(s, j);
         block_logits.prefetch_bias(j);
-        issue_pv(pa, j - 1);
+        ring.issue_pv(o, pa, j - 1);
         turns.pass();
         ptx::wgmma_wait<1>();  // S_j is in; P_{j-1} V_{j-1} may still run
         ptx::fence_registers(s);
-        release_k(j);
+        ring.release_k(j);
         if constexpr (kRedo) {
           block_softmax.exact(s, j, rescale);
         } else {
@@ -228,17 +196,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         ptx::wgmma_wait<0>();
         fence_o();
         ptx::fence_registers(pa);  // read by that wgmma until now
-        ptx::mbarrier_arrive(shared.v_empty(stage_of(j - 1)));
+        ring.release_v(j - 1);
         rescale_o(o, rescale);
         to_operand<T>(s, pa);
       }
       turns.wait();
-      issue_pv(pa, blocks - 1);
+      ring.issue_pv(o, pa, blocks - 1);
       turns.pass();
       ptx::wgmma_wait<0>();
       fence_o();
       ptx::fence_registers(pa);
-      ptx::mbarrier_arrive(shared.v_empty(stage_of(blocks - 1)));
+      ring.release_v(blocks - 1);
     } else {
       ptx::mbarrier_arrive(shared.q_empty());  // no Q was loaded
       release_staging();
@@ -266,7 +234,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     if (kStagedStore && blocks > 0) {
       // Into the last block's K stage, once every consumer's last S has read it.
-      const int stage = stage_of(blocks - 1);
+      const int stage = ring.stage_of(blocks - 1);
       const uint32_t staging = shared.k(stage) + consumer_uniform * Cfg::kPanels * 64 * 128;
       ptx::mbarrier_wait(shared.last_s_landed(), staged_tiles & 1);
       ++staged_tiles;
