@@ -47,6 +47,7 @@
 #include "common/ptx_sm90.cuh"
 #include "sm90/bwd/bias_grad.cuh"
 #include "sm90/bwd/band_mask.cuh"
+#include "sm90/bwd/capped_scores.cuh"
 #include "sm90/bwd/config.cuh"
 #include "sm90/bwd/epilogue.cuh"
 #include "sm90/bwd/products.cuh"
@@ -222,27 +223,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // kSlopesApart: the tanh's slopes, packed pairs of elements 2 i, 2 i + 1.
     [[maybe_unused]] uint32_t slopes[kSlopesApart ? kSRegs / 2 : 1];
     if constexpr (kCappedStep) {
-      // S^T becomes the tanh values (logits.cuh), and dpt = (dP^T - delta) * slope. The slopes go
-      // straight into dP^T: kept apart until dS^T (as floats), they took 32-64 more registers and
-      // spilled.
       ptx::fence_registers(dpt);
-#pragma unroll
-      for (int n = 0; n < kBlockM / 8; ++n) {
-        // delta by volatile loads, one n8 tile at a time: as plain loads ptxas hoisted them all
-        // ahead of the loop, and at H = 64 (128-query steps) spilled 8 bytes.
-        const uint32_t d_addr = sm.delta(stage) + accum.col(4 * n) * 4;
-        const float2 d = {__uint_as_float(ptx::ld_shared_b32(d_addr)), __uint_as_float(ptx::ld_shared_b32(d_addr + 4))};
-#pragma unroll
-        for (int i = 4 * n; i < 4 * n + 4; ++i) {
-          st[i] = logits.value(st[i]);
-          dpt[i] = dpt[i] - (i % 2 ? d.y : d.x);
-          if constexpr (!kSlopesApart) dpt[i] *= logits.slope(st[i]);
-        }
-        if constexpr (kSlopesApart) {
-          slopes[2 * n] = ptx::pack2<T>(logits.slope(st[4 * n]), logits.slope(st[4 * n + 1]));
-          slopes[2 * n + 1] = ptx::pack2<T>(logits.slope(st[4 * n + 2]), logits.slope(st[4 * n + 3]));
-        }
-      }
+      cap_scores<T, kSlopesApart>(st, dpt, slopes, logits, sm, stage, accum);  // bwd/capped_scores.cuh
     }
     if constexpr (kBias) {
       const auto tiles = Cfg::BiasTiles::of(p, sizeof(T));
