@@ -9,6 +9,8 @@
 
 #include "common/bwd_walk.cuh"
 #include "common/params.h"
+#include "common/ptx.cuh"
+#include "common/ptx_sm90.cuh"
 #include "sm90/bias_tiles.cuh"
 
 namespace jax_flash::sm90 {
@@ -76,6 +78,21 @@ __device__ __forceinline__ void add_tile_bias(float (&x)[kRegs], const char* til
     }
   };
   with_tile_layout<T>(bias_bytes, bias_fp32, has_mask, add);
+}
+
+// A consumer's step s: its bias tile (stage s of the ring) waited for, added to S^T (this thread's
+// key rows from k0 of the tile, queries from col0), and released to the producer.
+template <typename Cfg, int kSRegs, typename SharedMemory>
+__device__ __forceinline__ void add_step_bias(float (&st)[kSRegs], const BwdParams& p, const SharedMemory& sm, int s,
+                                              int k0, int col0, float inv_unit) {
+  using T = typename Cfg::T;
+  const auto tiles = Cfg::BiasTiles::of(p, sizeof(T));
+  const uint32_t bias_stage = tiles.stage_of(s);
+  ptx::mbarrier_wait(sm.bias_full() + 8 * bias_stage, tiles.use_of(s) & 1);
+  const char* tile = sm.base + Cfg::kBiasTiles + bias_stage * tiles.tile_bytes();
+  add_tile_bias<T, typename Cfg::BiasTiles>(st, tile, tiles.bias_bytes, p.bias_fp32, tiles.mask_bytes != 0, k0, col0,
+                                            inv_unit);
+  ptx::mbarrier_arrive(sm.bias_empty() + 8 * bias_stage);
 }
 
 }  // namespace jax_flash::sm90

@@ -227,13 +227,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       cap_scores<T, kSlopesApart>(st, dpt, slopes, logits, sm, stage, accum);  // bwd/capped_scores.cuh
     }
     if constexpr (kBias) {
-      const auto tiles = Cfg::BiasTiles::of(p, sizeof(T));
-      const uint32_t bias_stage = tiles.stage_of(s);
-      ptx::mbarrier_wait(sm.bias_full() + 8 * bias_stage, tiles.use_of(s) & 1);
-      const char* tile = sm.base + Cfg::kBiasTiles + bias_stage * tiles.tile_bytes();
-      add_tile_bias<T, typename Cfg::BiasTiles>(st, tile, tiles.bias_bytes, p.bias_fp32, tiles.mask_bytes != 0,
-                       key0 - k_first + warp * 16 + lane / 4, accum.col(0), 1.f / logits.unit);
-      ptx::mbarrier_arrive(sm.bias_empty() + 8 * bias_stage);
+      add_step_bias<Cfg>(st, p, sm, s, key0 - k_first + warp * 16 + lane / 4, accum.col(0), 1.f / logits.unit);
     }
     if (!whole) mask_transposed_scores<kVariant>(st, band, q_first, key0, warp, lane);
 #pragma unroll
