@@ -49,6 +49,7 @@
 #include "sm90/bwd/band_mask.cuh"
 #include "sm90/bwd/capped_scores.cuh"
 #include "sm90/bwd/config.cuh"
+#include "sm90/bwd/ds_tiles.cuh"
 #include "sm90/bwd/epilogue.cuh"
 #include "sm90/bwd/products.cuh"
 #include "sm90/bwd/dq_adder.cuh"
@@ -263,48 +264,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // With kBiasGrad, d logit = P^T (dP^T - delta) goes into dbias (add_bias_grad).
     const BiasGrad dbias = kBiasGrad ? BiasGrad::from(p, batch, step.head) : BiasGrad{};
     const int dbias_key = key0 + warp * 16 + lane / 4, dbias_query = q_first + (lane % 4) * 2;
-    uint32_t dsa[kBlockM / 16][4];
-    // dsa[kk][m] is the 8 x 8 tile of keys (m % 2) * 8 of this warp's 16 and queries
-    // (2 kk + m / 2) * 8: to shared memory for dQ by stmatrix, lane 8 m + r giving the address of
-    // the tile's row r in memory.
+    uint32_t dsa[kBlockM / 16][4];  // bwd/ds_tiles.cuh
     const uint32_t ds_lane_addr = ds_buffer + ds_lane_offset;
     if constexpr (Cfg::kDsBuffers == 1) {
       if (s > 0) ptx::named_barrier_sync(4, kConsumerThreads);  // the other's dQ read the last dS
     }
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      float2 grad[4];  // kBiasGrad
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int i = 8 * kk + 2 * j;  // elements i, i + 1: one row, two adjacent queries
-        float2 ds = {dpt[i], dpt[i + 1]};
-        if constexpr (!kCappedStep) ds = {ds.x - delta[i / 4].x, ds.y - delta[i / 4].y};
-        if constexpr (kBiasGrad) {
-          const float2 prob = ptx::unpack2<T>(pa[kk][j]);
-          grad[j] = {prob.x * ds.x, prob.y * ds.y};
-        }
-        if constexpr (kSlopesApart) {
-          const float2 slope = ptx::unpack2<T>(slopes[i / 2]);
-          ds = {ds.x * slope.x, ds.y * slope.y};
-        }
-        if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-          // The product of the packed pairs: three instructions a pair fewer (no unpacking of P,
-          // one multiply instead of two); the difference is rounded to bf16 first, one rounding more.
-          // Not for fp16, whose range the difference could leave where the product does not.
-          dsa[kk][j] = ptx::mul_bf16x2(pa[kk][j], ptx::pack2<T>(ds.x, ds.y));
-        } else {
-          const float2 prob = ptx::unpack2<T>(pa[kk][j]);
-          dsa[kk][j] = ptx::pack2<T>(prob.x * ds.x, prob.y * ds.y);
-        }
-      }
-      if constexpr (Cfg::kDqTransposed) {
-        ptx::stmatrix_x4_trans(ds_lane_addr + kk * 2048, dsa[kk][0], dsa[kk][1], dsa[kk][2], dsa[kk][3]);
-      } else {
-        ptx::stmatrix_x4(ds_lane_addr + (kk / 4) * Cfg::kDsPanelBytes + (((2 * kk) % 8 * 16) ^ ds_chunk_bits),
-                         dsa[kk][0], dsa[kk][1], dsa[kk][2], dsa[kk][3]);
-      }
-      if constexpr (kBiasGrad) add_bias_grad(dbias, p, grad, kk, lane, dbias_query, dbias_key);
-    }
+    make_ds_tiles<Cfg, kCappedStep, kSlopesApart, kBiasGrad>(dsa, dpt, delta, pa, slopes, ds_lane_addr, ds_chunk_bits,
+                                                          dbias, p, lane, dbias_query, dbias_key);
 
     if constexpr (kDvAfterDs && !kDqFirst) issue_dv();
 
