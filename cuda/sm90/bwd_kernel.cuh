@@ -49,6 +49,7 @@
 #include "sm90/bwd/band_mask.cuh"
 #include "sm90/bwd/capped_scores.cuh"
 #include "sm90/bwd/config.cuh"
+#include "sm90/bwd/ds_lanes.cuh"
 #include "sm90/bwd/ds_tiles.cuh"
 #include "sm90/bwd/epilogue.cuh"
 #include "sm90/bwd/products.cuh"
@@ -151,22 +152,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // they are rebuilt each step from the thread index, read when S^T lands so that the S2R's latency
   // passes under the softmax (B20).
   uint32_t ds_lane_offset, ds_chunk_bits = 0;
-  auto ds_offsets = [&](int warp_index, int lane_index) {
-    const int warp = warp_index, m = lane_index / 8, r = lane_index % 8;
-    if constexpr (Cfg::kDqTransposed) {
-      // dS (row = query, 16-byte chunk = 8 keys: this consumer's keys are its own 64-key panel),
-      // the tiles transposed: row r of tile m is query kk * 16 + (m / 2) * 8 + r, whose row in
-      // its group of 8 is r, so the swizzle is the same at every kk.
-      const int panel = kThreadIndexAhead ? consumer_uniform : consumer;
-      ds_lane_offset = panel * Cfg::kDsPanelBytes + ((m / 2) * 8 + r) * 128 + (((warp * 2 + m % 2) ^ r) * 16);
-    } else {
-      // dS^T (row = key of the CTA's 128, 16-byte chunk = 8 queries). ptx::sw128_offset(row,
-      // 2 kk + m / 2) with the swizzle hoisted out of the loop: (2 kk + m / 2) ^ (row % 8) =
-      // 2 kk ^ (m / 2 ^ row % 8), one XOR a tile (the helper cost 8 more instructions a step at
-      // H = 64).
-      ds_lane_offset = (consumer * 64 + warp * 16 + (m % 2) * 8 + r) * 128;
-      ds_chunk_bits = ((m / 2) ^ r) * 16;
-    }
+  auto ds_offsets = [&](int warp_index, int lane_index) {  // bwd/ds_lanes.cuh
+    ds_lane_offsets<Cfg>(warp_index, lane_index, kThreadIndexAhead ? consumer_uniform : consumer, consumer,
+                         ds_lane_offset, ds_chunk_bits);
   };
   ds_offsets(warp, lane);
   if constexpr (!kCappedStep && !Cfg::kDqTransposed) asm volatile("" : "+r"(ds_lane_offset), "+r"(ds_chunk_bits));
