@@ -55,6 +55,7 @@
 #include "sm90/bwd/products.cuh"
 #include "sm90/bwd/dq_adder.cuh"
 #include "sm90/bwd/shared_memory.cuh"
+#include "sm90/bwd/step_stats.cuh"
 #include "sm90/bwd_bias_tiles.cuh"
 #include "sm90/bwd_stages.cuh"
 #include "sm90/dq_tiles.cuh"
@@ -176,21 +177,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     float st[kSRegs], dpt[kSRegs];
     // Taken before the products: taken after them, its bounds' registers made the lse spill.
     const bool whole = band.all_visible(q_first, q_first + kBlockM - 1, key0, key0 + 63);
-    // This thread's columns' statistics (two adjacent queries per n8 tile): stats(stage base)[n]
-    // = values of columns accum.col(4 n), accum.col(4 n) + 1.
-    auto stats_of_tile = [&](uint32_t stats, int n) {
-      const char* stage_stats = sm.generic(stats);
-      if constexpr (kCappedStep) {
-        // The same address from accum.col: with a cap, this form (not stats_offset + n * 32) is the
-        // one that keeps the H = 64 kernel free of spills.
-        return *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(stage_stats) + accum.col(4 * n));
-      }
-      return *reinterpret_cast<const float2*>(stage_stats + stats_offset + n * 32);
-    };
-    auto load_stats = [&](uint32_t stats, float2 (&v)[kBlockM / 8]) {
-#pragma unroll
-      for (int n = 0; n < kBlockM / 8; ++n) v[n] = stats_of_tile(stats, n);
-    };
+    // This thread's columns of the step's lse and delta (bwd/step_stats.cuh).
+    const StepStats<decltype(sm), kCappedStep, kBlockM / 8> stats{sm, stats_offset, accum};
     // lse is read into registers before S^T is issued, except with a cap or 128-query steps, which
     // have no registers for it: read behind the products, the loads queued behind their operand
     // reads in shared memory, and the exp2 waited for them (B16).
@@ -198,7 +186,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     float2 lse[kBlockM / 8];
     if constexpr (kEarlyLse) {
       ptx::mbarrier_wait(barriers.q_full(stage), (s / kStages) & 1);
-      load_stats(sm.lse(stage), lse);
+      stats.load(sm.lse(stage), lse);
     }
     // Not waited for again: behind the loads, the barrier's test waited its turn in the same queue
     // (B16).
@@ -221,7 +209,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (!whole) mask_transposed_scores<kVariant>(st, band, q_first, key0, warp, lane);
 #pragma unroll
     for (int n = 0; n < kBlockM / 8; ++n) {
-      const float2 l = kEarlyLse ? lse[n] : stats_of_tile(sm.lse(stage), n);
+      const float2 l = kEarlyLse ? lse[n] : stats.tile(sm.lse(stage), n);
 #pragma unroll
       for (int i = 4 * n; i < 4 * n + 4; ++i) st[i] = ptx::exp2(st[i] * scale_log2 - (i % 2 ? l.y : l.x));
     }
@@ -235,7 +223,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // delta, read before dV is issued (so ahead of its operand reads), except with a cap (folded
     // into dpt above), so that the FMULs scaling it do not wait for it (B16).
     float2 delta[kBlockM / 8];  // unused with a cap
-    if constexpr (!kCappedStep) load_stats(sm.delta(stage), delta);
+    if constexpr (!kCappedStep) stats.load(sm.delta(stage), delta);
 
     // dV += P^T dO, here or after dS^T (kDvAfterDs).
     auto issue_dv = [&] {
