@@ -22,6 +22,7 @@
 #include "common/tile.cuh"
 #include "sm80/fwd/epilogue.cuh"
 #include "sm80/fwd/products.cuh"
+#include "sm80/fwd/block_logits.cuh"
 #include "sm80/fwd/softmax.cuh"
 #include "sm80/traits.cuh"
 
@@ -122,33 +123,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
       qk_product<Cfg>(acc_s, q_frag, a_q, b_k, (j % 2) * Cfg::kStageBytes);
     };
 
-    // Soft cap, band mask (and bias), then the online softmax of block j; leaves P in acc_s.
+    // Soft cap and bias (fwd/block_logits.cuh), band mask, then the online softmax of block j;
+    // leaves P in acc_s.
     auto softmax = [&](float (&acc_s)[kMTiles][kNTiles][4], int j) {
       const int k_first = (n_end - 1 - j) * kBlockN;
-      if (logits.capped()) {
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-          for (int n = 0; n < kNTiles; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc_s[mt][n][i] = logits.value(acc_s[mt][n][i]);
-      }
-      if constexpr (kBias) {
-        // Bias and boolean mask: unconditional loads (bias.cuh), so that they issue together.
-        bias.with_layout([&](auto pairs) {
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-              for (int n = 0; n < kNTiles; ++n) {
-                const float2 add = bias.template pair<decltype(pairs)::value>(q_first + thread_row(mt, r),
-                                                                               k_first + n * 8 + (lane % 4) * 2);
-                acc_s[mt][n][2 * r] += add.x;
-                acc_s[mt][n][2 * r + 1] += add.y;
-              }
-        });
-      }
+      cap_and_bias<kBias>(acc_s, logits, bias, q_first, k_first, thread_row, lane);
       // Only blocks that straddle the band or the end of the keys need the mask.
       if (!band.all_visible(q_first, q_first + kBlockM - 1, k_first, k_first + kBlockN - 1)) {
 #pragma unroll
