@@ -117,7 +117,8 @@ def kernel_family() -> int:
 
 # Shared memory a block may opt in to, by compute capability (the CUDA programming guide); other
 # GPUs are taken as the smallest of these. The Hopper kernels run on 9.0 alone; the mma.sync
-# backward takes 114-209 KB a block, more than sm_86 and sm_89 allow.
+# backward's usual tiles take 114-209 KB a block, more than sm_86 and sm_89 allow, its compact
+# ones 65-145 KB (none at d = 96).
 SMEM_OPTIN_BY_CAPABILITY = {(8, 0): 166912, (8, 7): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448}
 # A number of bytes: the limit the dispatch assumes instead of the GPU's (read when a call is
 # traced). With JAX_FLASH_KERNELS=sm80 on an H100, 101376 runs the mma.sync kernels as an sm_86 or
@@ -125,20 +126,28 @@ SMEM_OPTIN_BY_CAPABILITY = {(8, 0): 166912, (8, 7): 166912, (8, 6): 101376, (8, 
 SMEM_LIMIT_ENV = "JAX_FLASH_SMEM_LIMIT"
 
 
+def forced_smem_limit() -> int:
+    """JAX_FLASH_SMEM_LIMIT's bytes, or 0 where it is unset (the launchers then take the GPU's own
+    limit)."""
+    forced = os.environ.get(SMEM_LIMIT_ENV)
+    if not forced:
+        return 0
+    if not forced.isdigit():
+        raise ValueError(f"{SMEM_LIMIT_ENV} must be a number of bytes, got {forced!r}")
+    return int(forced)
+
+
 def smem_limit() -> int:
     """Bytes of shared memory a block may use on the default GPU, as the dispatch assumes."""
-    forced = os.environ.get(SMEM_LIMIT_ENV)
-    if forced:
-        if not forced.isdigit():
-            raise ValueError(f"{SMEM_LIMIT_ENV} must be a number of bytes, got {forced!r}")
-        return int(forced)
-    return SMEM_OPTIN_BY_CAPABILITY.get(device_capability(), min(SMEM_OPTIN_BY_CAPABILITY.values()))
+    fallback = min(SMEM_OPTIN_BY_CAPABILITY.values())
+    return forced_smem_limit() or SMEM_OPTIN_BY_CAPABILITY.get(device_capability(), fallback)
 
 
 def backward_kernels_fit(head_dim: int) -> bool:
     """Whether the backward kernels that run a (kernel) head dim on the default GPU fit its shared
     memory: the Hopper ones on 9.0 (227 KB), unless JAX_FLASH_KERNELS=sm80; the mma.sync ones
-    wherever their block's bytes are within smem_limit()."""
+    wherever their smallest tiles' bytes a block (the compact ones, cuda/sm80/traits.cuh) are
+    within smem_limit(). Their launcher takes the largest tiles that fit."""
     hopper = device_capability() == (9, 0) and kernel_family() == 0 and head_dim in _contract.BWD_SM90_HEAD_DIMS
     if hopper:
         return True
@@ -266,7 +275,8 @@ def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, 
     `want_dbias`) is float32 in the bias's shape, summed over its broadcast axes; else an empty
     array. Under vmap, one call with the mapped axis folded into the batch."""
     register_targets()
-    attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()), deterministic=np.int32(deterministic()))
+    attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()), deterministic=np.int32(deterministic()),
+                 smem_limit=np.int32(forced_smem_limit()))
 
     def run(q, k, v, out, lse, d_out, d_lse, bias, mask, *masks):
         def kernel(q, k, v, out, lse, d_out, d_lse, bias, mask, *masks):

@@ -20,12 +20,13 @@ KERNEL_CASES = ["none", "causal", "window_causal", "lengths_causal", "segments_c
 
 
 class _Calls(list):
-    """(target, operand shapes) of every kernel call traced; `results[target]`: the result shapes
-    of its last call."""
+    """(target, operand shapes) of every kernel call traced; `results[target]` and `attrs[target]`:
+    the result shapes and attributes of its last call."""
 
     def __init__(self):
         super().__init__()
         self.results = {}
+        self.attrs = {}
 
 
 @pytest.fixture
@@ -43,6 +44,7 @@ def kernel_calls(monkeypatch):
     def recording(target, result_types, operands, attrs):
         calls.append((target, [x.shape for x in operands]))
         calls.results[target] = [r.shape for r in result_types]
+        calls.attrs[target] = dict(attrs)
         return fake_kernels.call_kernel(target, result_types, operands, attrs)
 
     monkeypatch.setattr(_ffi, "call_kernel", recording)
@@ -283,6 +285,33 @@ def test_a_shared_memory_limit_set_for_tests(monkeypatch):
     monkeypatch.setenv(_ffi.SMEM_LIMIT_ENV, "99KB")
     with pytest.raises(ValueError, match=_ffi.SMEM_LIMIT_ENV):
         _ffi.smem_limit()
+
+
+def test_the_backward_kernels_take_the_forced_shared_memory_limit(kernel_calls, monkeypatch):
+    """JAX_FLASH_SMEM_LIMIT reaches the backward's launcher (which picks tiles within it); unset, 0
+    lets the launcher take the GPU's own limit."""
+    rng = rng_for("cuda-path-smem-attr")
+    q, k, v = qkv(rng, jnp.bfloat16, 2, 40, 56, 4, 2, 64)
+    for forced, expected in [(None, 0), ("101376", 101376)]:
+        if forced is None:
+            monkeypatch.delenv(_ffi.SMEM_LIMIT_ENV, raising=False)
+        else:
+            monkeypatch.setenv(_ffi.SMEM_LIMIT_ENV, forced)
+        jax.grad(_loss("cuda", {}), (0, 1, 2))(q, k, v)
+        assert int(kernel_calls.attrs["jax_flash_bwd"]["smem_limit"]) == expected
+
+
+def test_the_compact_backward_tiles_fit_the_smaller_gpus():
+    """The compiled module's smallest mma.sync backward tiles a block (cuda/sm80/traits.cuh): within
+    sm_86/89's 99 KB at head dims 32, 64 and 128, within an A100's 163 KB at 96 and 256. Needs the
+    compiled extension (CI's first environment builds it; no GPU needed)."""
+    module = _ffi.extension()
+    if module is None:
+        pytest.skip("the CUDA extension is not built in this environment")
+    ampere, ada = _ffi.SMEM_OPTIN_BY_CAPABILITY[(8, 0)], _ffi.SMEM_OPTIN_BY_CAPABILITY[(8, 9)]
+    for head_dim, limit in {32: ada, 64: ada, 96: ampere, 128: ada, 256: ampere}.items():
+        assert 0 < module.sm80_backward_smem_bytes(head_dim) <= limit, head_dim
+    assert module.sm80_backward_smem_bytes(96) > ada and module.sm80_backward_smem_bytes(256) > ada
 
 
 @pytest.mark.parametrize("case", ["causal", "bias", "lengths_causal"])

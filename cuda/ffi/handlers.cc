@@ -214,7 +214,8 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::Result<ffi::Buffer<ffi::F32>> delta, ffi::Result<ffi::Buffer<ffi::F32>> lse_log2,
                     ffi::Result<ffi::Buffer<ffi::S32>> dq_turns, ffi::Result<ffi::Buffer<ffi::F32>> dbias,
                     float scale, float softcap,
-                    int32_t window_left, int32_t window_right, int32_t kernels, int32_t deterministic) {
+                    int32_t window_left, int32_t window_right, int32_t kernels, int32_t deterministic,
+                    int32_t smem_limit) {
   BwdParams p{};
   DType dtype;
   if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p); e.failure()) return e;
@@ -262,6 +263,7 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   }
   p.dq_counters = dq_turns->typed_data();
   p.dq_turns = deterministic != 0 ? p.dq_counters : nullptr;
+  p.smem_limit = smem_limit;
   if (dbias->element_count() > 0) {
     // An empty dbias: not wanted. Otherwise the kernels add into it: zero it first.
     if (p.bias == nullptr) return ffi::Error::InvalidArgument("jax_flash: dbias needs a bias");
@@ -391,7 +393,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl,
                                   .Attr<int32_t>("window_left")
                                   .Attr<int32_t>("window_right")
                                   .Attr<int32_t>("kernels")  // KernelFamily
-                                  .Attr<int32_t>("deterministic"),  // 1: dQ parts added in a fixed order
+                                  .Attr<int32_t>("deterministic")  // 1: dQ parts added in a fixed order
+                                  .Attr<int32_t>("smem_limit"),  // bytes a block may take (0: the GPU's)
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_decode_handler, jax_flash::decode_impl,

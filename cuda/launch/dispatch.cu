@@ -125,7 +125,9 @@ cudaError_t run_decode(DType dtype, const DecodeParams& p, cudaStream_t stream) 
 int sm80_backward_smem_bytes(int head_dim) {
   int bytes = 0;
   for_head_dim(contract::BwdHeadDims{}, head_dim, [&](auto d) {
-    bytes = sm80::BwdConfig<__nv_bfloat16, decltype(d)::value>::kSmemBytes;  // the same for fp16
+    constexpr int kHeadDim = decltype(d)::value;
+    bytes = sm80::BwdConfig<__nv_bfloat16, kHeadDim>::kSmemBytes;  // the same for fp16
+    if constexpr (sm80::has_compact_bwd(kHeadDim)) bytes = sm80::BwdConfig<__nv_bfloat16, kHeadDim, true>::kSmemBytes;
     return cudaSuccess;
   });
   return bytes;

@@ -9,6 +9,7 @@
 #include "common/grid.cuh"
 #include "common/params.h"
 #include "launch/allow_smem.h"
+#include "launch/device.h"
 #include "sm80/bwd_kernels.cuh"
 #include "sm80/fwd_kernel.cuh"
 #include "sm80/traits.cuh"
@@ -27,10 +28,9 @@ cudaError_t run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename T, int kHeadDim, Variant kVariant>
-cudaError_t run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
-  using Cfg = sm80::BwdConfig<T, kHeadDim>;
-  if (cudaError_t e = launch_bwd_preprocess<T, kHeadDim>(p, stream); e != cudaSuccess) return e;
+// The mma.sync backward with the given tiles (traits.cuh), then dQ out of its accumulator.
+template <typename Cfg, Variant kVariant>
+cudaError_t launch_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   auto kernel = sm80::bwd_dkdv_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   dim3 grid;
@@ -38,7 +38,24 @@ cudaError_t run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   if (cudaError_t e = batch_head_grid(n_blocks, int64_t(p.batch) * p.kv_heads, &grid); e != cudaSuccess) return e;
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  return launch_dq_from_rows<T>(p, stream);
+  return launch_dq_from_rows<typename Cfg::T>(p, stream);
+}
+
+// The tiles that fit the shared memory a block may take (BwdParams::smem_limit, within the
+// device's): the usual ones, else the compact ones; none (an error) where neither fits, which the
+// Python dispatch never sends (_ffi.backward_kernels_fit).
+template <typename T, int kHeadDim, Variant kVariant>
+cudaError_t run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
+  using Cfg = sm80::BwdConfig<T, kHeadDim>;
+  if (cudaError_t e = launch_bwd_preprocess<T, kHeadDim>(p, stream); e != cudaSuccess) return e;
+  const int device_limit = current_device_limits().smem_optin;
+  const int limit = p.smem_limit > 0 && (device_limit <= 0 || p.smem_limit < device_limit) ? p.smem_limit : device_limit;
+  if (limit <= 0 || Cfg::kSmemBytes <= limit) return launch_bwd_sm80<Cfg, kVariant>(p, stream);
+  if constexpr (sm80::has_compact_bwd(kHeadDim)) {
+    using Compact = sm80::BwdConfig<T, kHeadDim, true>;
+    if (Compact::kSmemBytes <= limit) return launch_bwd_sm80<Compact, kVariant>(p, stream);
+  }
+  return cudaErrorInvalidConfiguration;
 }
 
 }  // namespace jax_flash

@@ -4,7 +4,8 @@
 //    H <= 64) of every query head of the GQA group, so dK/dV of a group are summed without
 //    atomics and written once.
 //    Per step: S and dP, then P and dS go to shared memory, where dV += P^T dO, dK += dS^T Q
-//    and dQ = dS K each read them with their own warp grid (traits.cuh). dQ needs the
+//    and dQ = dS K each read them with their own warp grid (traits.cuh). The next step's Q and
+//    dO load during this one's products (or, with one stage, during dQ's). dQ needs the
 //    contributions of every key block, so each CTA adds its share into the fp32 accumulator
 //    with atomics: the separate-kernel alternative would compute S and dP a second time (7
 //    products instead of 5).
@@ -143,7 +144,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     // One barrier for two things: this step's tiles have landed, and every warp is done with the
     // previous step, whose stage buffer the prefetch below refills and whose P and dS get rewritten.
     __syncthreads();
-    if (s + 1 < steps) prefetch(next, (s + 1) % Cfg::kStages);
+    if (Cfg::kStages > 1 && s + 1 < steps) prefetch(next, (s + 1) % Cfg::kStages);
     ptx::cp_async_commit();
     const float* stats = reinterpret_cast<const float*>(smem + (stage_stats(stage) - sK));
     const int head = cur.head;
@@ -258,6 +259,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
           ptx::mma_16816<T>(acc_dk[mt][d + 1], a_ds[mt], b[2], b[3]);
         }
       }
+    }
+
+    if constexpr (Cfg::kStages == 1) {
+      // One stage (compact tiles): once every warp is done with this step's Q, dO and statistics,
+      // the next step's load into the same buffers, under dQ's products.
+      __syncthreads();
+      if (s + 1 < steps) prefetch(cur, 0);
+      ptx::cp_async_commit();
     }
 
     // dQ[q_first .. +kBlockM) += dS K: this warp's rows x columns, added with atomics.

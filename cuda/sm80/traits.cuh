@@ -41,27 +41,29 @@ struct FwdConfig {
   static constexpr int kSmemBytes = QTile::kBytes + 2 * kStageBytes;
 };
 
-template <typename T_, int kHeadDim_>
+// kCompact: the tiles of GPUs with less shared memory a block than the others take (99 KB on
+// sm_86/89: 114-209 KB; 163 KB on sm_80/87: 209 KB at H = 256), at some cost in speed: 64-query
+// steps where H <= 64, and 64 keys a CTA with one stage (Q and dO of the next step load after this
+// one's dK and dV instead of during its products) from H = 128: 65, 97, 80 and 145 KB at H = 32,
+// 64, 128 and 256. H = 96 has none (its 64-key warp grid would split 96 columns into n8 tiles
+// unevenly, and 128 keys take 105 KB with one stage).
+constexpr bool has_compact_bwd(int head_dim) { return head_dim != 96; }
+
+template <typename T_, int kHeadDim_, bool kCompact_ = false>
 struct BwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kCompact = kCompact_;
   static_assert(kHeadDim <= 256, "dK and dV accumulators of 32 keys x H/2 (H/4 at H = 256) fp32 per warp");
+  static_assert(!kCompact || has_compact_bwd(kHeadDim), "no compact tiles at this head dim");
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   // Keys per CTA, resident with their dK and dV: 128, or 64 at H = 256, where 128 keys' dK and dV
   // would need 256 registers a thread.
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kBlockN = kHeadDim <= 128 && !(kCompact && kHeadDim == 128) ? 128 : 64;
   // Queries per step: 128 where H <= 64, whose products are too short to hide the fixed cost of a
   // step (two barriers, the softmax, P and dS through shared memory) at 64 queries.
-  static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;
-  // Each product gets its own warp grid, so that every warp's tile is 32 x 32 or larger (a loaded
-  // fragment feeds two or more mma.sync):
-  //   S = Q K^T, dP = dO V^T      2 x 4 warps of kBlockM/2 queries x 32 keys (4 x 2 of
-  //                               kBlockM/4 x 32 with 64 keys)
-  //   dV += P^T dO, dK += dS^T Q  4 x 2 warps of 32 keys x H/2 (2 x 4 of 32 x H/4 with 64 keys)
-  //   dQ = dS K                   2 x 4 warps of 32 queries x H/4 (kBlockM = 64), or 4 x 2 of
-  //                               kBlockM/4 x H/2 where H/4 is not a whole number of n8 pairs
-  //                               (H = 32, 96) or the steps are 128 queries
+  static constexpr int kBlockM = kHeadDim <= 64 && !kCompact ? 128 : 64;
   static constexpr int kSdpWarpsN = kBlockN / 32;
   static constexpr int kSdpRowsPerWarp = kBlockM / (kWarps / kSdpWarpsN);
   static constexpr int kDkvWarpsD = kWarps / (kBlockN / 32);
@@ -70,7 +72,8 @@ struct BwdConfig {
   static constexpr int kDqRowsPerWarp = kBlockM / kDqWarpsM;
   static constexpr int kDqColsPerWarp = kHeadDim / kDqWarpsD;
   static_assert(2 * kBlockM <= kThreads, "one thread per lse or delta value of a step");
-  static constexpr int kStages = 2;  // Q/dO/lse/delta of the next step load during this one
+  // Q/dO/lse/delta of the next step load during this one (2), or after its dK and dV (1).
+  static constexpr int kStages = kCompact && kHeadDim >= 128 ? 1 : 2;
   using KTile = SmemTile<kBlockN, kHeadDim>;
   using QTile = SmemTile<kBlockM, kHeadDim>;
   using PTile = SmemTile<kBlockM, kBlockN>;  // P and dS, [query][key]
