@@ -5,6 +5,8 @@ output element the kernel never writes shows up as NaN), and compares against th
 reference and the xla path on the same inputs.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +47,15 @@ def run(implementation, q, k, v, g_out, **kw):
     poison_free_memory()
     out, lse = fwd(q, k, v)
     poison_free_memory()
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    try:
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    except ValueError as e:
+        # The grid run as a GPU with less shared memory takes it (JAX_FLASH_SMEM_LIMIT): where no
+        # backward kernel fits, implementation="cuda" must say so, and auto mode's gradients (the
+        # xla path's backward on the kernels' forward) are checked instead.
+        if implementation != "cuda" or not os.environ.get(_ffi.SMEM_LIMIT_ENV) or "shared memory" not in str(e):
+            raise
+        return out, lse, run(None, q, k, v, g_out, **kw)[2]
     return out, lse, grads
 
 
