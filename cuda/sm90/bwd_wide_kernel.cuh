@@ -36,6 +36,7 @@
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
 #include "sm90/bwd/wide_products.cuh"
+#include "sm90/bwd/wide_shared_memory.cuh"
 #include "sm90/row_mask.cuh"
 #include "sm90/bwd_stages.cuh"
 
@@ -87,18 +88,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   enum : int { kTilesReady = 1, kEpilogue = 2 };  // named barriers (+ consumer)
 
   extern __shared__ char smem[];
-  const uint32_t align = (1024 - (ptx::smem_addr(smem) & 1023)) & 1023;
-  char* const base = smem + align;
-  const uint32_t base_addr = ptx::smem_addr(smem) + align;
-  const uint32_t sK = base_addr + Cfg::kK, sV = base_addr + Cfg::kV;
-  auto sP = [&](int step) { return base_addr + Cfg::kP + (step % 2) * Cfg::kTileBytes; };
-  auto sDs = [&](int step) { return base_addr + Cfg::kDs + (step % 2) * Cfg::kTileBytes; };
-  auto sQ = [&](int stage) { return base_addr + Cfg::kQ + stage * Cfg::kQBytes; };
-  auto sDo = [&](int stage) { return base_addr + Cfg::kDo + stage * Cfg::kQBytes; };
-  auto stat = [&](int offset, int stage, int row) {
-    return reinterpret_cast<const float*>(base + offset + stage * Cfg::kStatBytes)[row];
-  };
-  const BwdBarriers<kStages> barriers{base_addr + Cfg::kBarriers};
+  const auto sm = WideSharedMemory<Cfg>::of(smem);  // bwd/wide_shared_memory.cuh
+  const uint32_t sK = sm.k(), sV = sm.v();
+  const BwdBarriers<kStages> barriers{sm.barriers()};
 
   // Longest walks first (B19).
   const auto [n_block, batch, kv_head] = BwdCta::of<true>(p.batch, p.kv_heads);
@@ -117,7 +109,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (warp_group == 0) {
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x == 0 && walk.steps > 0) {
-      produce_bwd_stages<Cfg>(maps, p, walk, barriers, base_addr, batch, kv_head, k_first);
+      produce_bwd_stages<Cfg>(maps, p, walk, barriers, sm.base_addr, batch, kv_head, k_first);
     }
     return;
   }
@@ -161,9 +153,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       issue_wide_scores<Cfg>(acc, query_tile, keys);
     };
     ptx::mbarrier_wait(barriers.q_full(stage), phase);
-    issue(s_acc, sQ(stage), sK + key_rows);
+    issue(s_acc, sm.q(stage), sK + key_rows);
     ptx::mbarrier_wait(barriers.do_full(stage), phase);
-    issue(dp_acc, sDo(stage), sV + key_rows);
+    issue(dp_acc, sm.d_o(stage), sV + key_rows);
   };
 
   // Each step: both consumers compute P and dS of their 32 keys at once and store them; then each
@@ -184,7 +176,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int key_first = k_first + consumer * (kBlockN / 2);  // this consumer's keys
     // With a cap, S becomes the tanh values and dP - delta takes their slope, before the masks.
     if constexpr (kSoftcap) {
-      const float delta[2] = {stat(Cfg::kDelta, stage, accum_row(0)), stat(Cfg::kDelta, stage, accum_row(2))};
+      const float delta[2] = {sm.stat(Cfg::kDelta, stage, accum_row(0)), sm.stat(Cfg::kDelta, stage, accum_row(2))};
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         s_acc[i] = logits.value(s_acc[i]);
@@ -210,8 +202,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (!band.all_visible(q_first, q_first + kBlockM - 1, key_first, key_first + kBlockN / 2 - 1)) {
       mask_rows(s_acc, band, q_first, key_first, warp, lane);
     }
-    const float lse[2] = {stat(Cfg::kLse, stage, accum_row(0)), stat(Cfg::kLse, stage, accum_row(2))};
-    const float delta[2] = {stat(Cfg::kDelta, stage, accum_row(0)), stat(Cfg::kDelta, stage, accum_row(2))};
+    const float lse[2] = {sm.stat(Cfg::kLse, stage, accum_row(0)), sm.stat(Cfg::kLse, stage, accum_row(2))};
+    const float delta[2] = {sm.stat(Cfg::kDelta, stage, accum_row(0)), sm.stat(Cfg::kDelta, stage, accum_row(2))};
     // P and dS = P (dP - delta) * scale (* slope), into the [query][key] tiles at this consumer's
     // columns.
     const uint32_t column_bytes = consumer * (kBlockN / 2) * 2;
@@ -220,19 +212,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int r = (i % 4) / 2;
       const float p0 = ptx::exp2(s_acc[i] * scale_log2 - lse[r]), p1 = ptx::exp2(s_acc[i + 1] * scale_log2 - lse[r]);
       const uint32_t off = tile_offset(i, column_bytes);
-      ptx::st_shared_b32(sP(s) + off, ptx::pack2<T>(p0, p1));
+      ptx::st_shared_b32(sm.p(s) + off, ptx::pack2<T>(p0, p1));
       if constexpr (kSoftcap) {  // dp_acc holds (dP - delta) * slope
-        ptx::st_shared_b32(sDs(s) + off, ptx::pack2<T>(p0 * dp_acc[i] * p.scale, p1 * dp_acc[i + 1] * p.scale));
+        ptx::st_shared_b32(sm.ds(s) + off, ptx::pack2<T>(p0 * dp_acc[i] * p.scale, p1 * dp_acc[i + 1] * p.scale));
       } else if constexpr (!kBias) {
-        ptx::st_shared_b32(sDs(s) + off, ptx::pack2<T>(p0 * (dp_acc[i] - delta[r]) * p.scale,
+        ptx::st_shared_b32(sm.ds(s) + off, ptx::pack2<T>(p0 * (dp_acc[i] - delta[r]) * p.scale,
                                                        p1 * (dp_acc[i + 1] - delta[r]) * p.scale));
       } else {
         // d loss / d logit; dS takes the cap's slopes and the scale.
         const float g0 = p0 * (dp_acc[i] - delta[r]), g1 = p1 * (dp_acc[i + 1] - delta[r]);
         if constexpr (kBiasCapped) {
-          ptx::st_shared_b32(sDs(s) + off, ptx::pack2<T>(g0 * slope[i] * p.scale, g1 * slope[i + 1] * p.scale));
+          ptx::st_shared_b32(sm.ds(s) + off, ptx::pack2<T>(g0 * slope[i] * p.scale, g1 * slope[i + 1] * p.scale));
         } else {
-          ptx::st_shared_b32(sDs(s) + off, ptx::pack2<T>(g0 * p.scale, g1 * p.scale));
+          ptx::st_shared_b32(sm.ds(s) + off, ptx::pack2<T>(g0 * p.scale, g1 * p.scale));
         }
         if constexpr (kBiasGrad) {
           // keys k, k + 1 of row q (k even, S even: both in or both out)
@@ -245,8 +237,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::named_barrier_sync(kTilesReady, kConsumerThreads);
     // dV^T += dO^T P, dK^T += Q^T dS, then the next step's S and dP.
     ptx::wgmma_fence();
-    issue_transposed_products(dvt, sDo(stage), sP(s));
-    issue_transposed_products(dkt, sQ(stage), sDs(s));
+    issue_transposed_products(dvt, sm.d_o(stage), sm.p(s));
+    issue_transposed_products(dkt, sm.q(stage), sm.ds(s));
     if constexpr (decltype(issue_next)::value) issue_scores(s_acc, dp_acc, s + 1);
     // This step's products have landed (and the next step's S and dP): its Q and dO stage is
     // free. Each consumer passes the next kTilesReady only after this wait, so once past it the
