@@ -35,6 +35,7 @@
 #include "sm90/bwd/dq_loads.cuh"
 #include "sm90/bwd/dq_shared_memory.cuh"
 #include "sm90/bwd_stages.cuh"
+#include "sm90/head_dim_product.cuh"
 #include "sm90/row_mask.cuh"
 
 namespace jax_flash::sm90 {
@@ -150,26 +151,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   for (int j = 0; j < blocks; ++j) {
     const int stage = j % kStages, phase = (j / kStages) & 1;
     const int k_first = key_block_first(j) + consumer * kHalfN;  // this consumer's keys
-    // S = Q K^T and dP = dO V^T over this consumer's 32 keys: k16 steps along the head dim, both
-    // operands K-major; its keys start 32 rows (4 swizzle groups) into each panel.
+    // S = Q K^T and dP = dO V^T over this consumer's 32 keys (head_dim_product.cuh); its keys
+    // start 32 rows (4 swizzle groups) into each panel.
     const uint64_t k_desc = ptx::smem_desc_sw128(sm.k(stage) + consumer_uniform * kHalfN * 128, 0);
     const uint64_t v_desc = ptx::smem_desc_sw128(sm.v(stage) + consumer_uniform * kHalfN * 128, 0);
     float s[kHalfN / 2], dp[kHalfN / 2];
     ptx::mbarrier_wait(sm.k_full(stage), phase);
     ptx::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      ptx::wgmma_ss(s, ptx::desc_advance(q_desc, (ks / 4) * kBlockM * 128 + (ks % 4) * 32),
-                    ptx::desc_advance(k_desc, (ks / 4) * kBlockN * 128 + (ks % 4) * 32), ks > 0, T{});
-    }
+    wgmma_over_head_dim<T, kHeadDim, kBlockM, kBlockN>(s, q_desc, k_desc);
     ptx::wgmma_commit();
     ptx::mbarrier_wait(sm.v_full(stage), phase);
     ptx::wgmma_fence();  // after the wait's branch (else ptxas injects one, C7519)
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      ptx::wgmma_ss(dp, ptx::desc_advance(do_desc, (ks / 4) * kBlockM * 128 + (ks % 4) * 32),
-                    ptx::desc_advance(v_desc, (ks / 4) * kBlockN * 128 + (ks % 4) * 32), ks > 0, T{});
-    }
+    wgmma_over_head_dim<T, kHeadDim, kBlockM, kBlockN>(dp, do_desc, v_desc);
     ptx::wgmma_commit();
     // The previous block's dQ product and S have landed (dP may still run): that block's K stage
     // and dS fragments are free.

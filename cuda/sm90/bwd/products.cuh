@@ -6,10 +6,11 @@
 
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "sm90/head_dim_product.cuh"
 
 namespace jax_flash::sm90 {
 
-// S^T = K Q^T or dP^T = V dO^T of step s: k16 steps along the head dim, 4 per 64-column panel;
+// S^T = K Q^T or dP^T = V dO^T of step s (head_dim_product.cuh);
 // `keys` is K or V (this consumer's 64 rows of them), `queries` the stage's Q or dO, `full` its
 // barrier (0: already waited for).
 template <typename Cfg>
@@ -20,11 +21,7 @@ __device__ __forceinline__ void issue_transposed(float (&acc)[Cfg::kBlockM / 2],
   const uint64_t query_desc = ptx::smem_desc_sw128(queries, 0);
   if (full != 0) ptx::mbarrier_wait(full, (s / Cfg::kStages) & 1);
   ptx::wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < Cfg::kHeadDim / 16; ++ks) {
-    ptx::wgmma_ss(acc, ptx::desc_advance(key_desc, (ks / 4) * kBlockN * 128 + (ks % 4) * 32),
-                  ptx::desc_advance(query_desc, (ks / 4) * kBlockM * 128 + (ks % 4) * 32), ks > 0, typename Cfg::T{});
-  }
+  wgmma_over_head_dim<typename Cfg::T, Cfg::kHeadDim, kBlockN, kBlockM>(acc, key_desc, query_desc);
   ptx::wgmma_commit();
 }
 

@@ -10,6 +10,7 @@
 #include "common/ptx_sm90.cuh"
 #include "sm90/fwd/products.cuh"
 #include "sm90/fwd/shared_memory.cuh"
+#include "sm90/head_dim_product.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -25,19 +26,14 @@ struct FwdKeyRing {
   __device__ __forceinline__ int stage_of(int j) const { return (it + j) % kStages; }
   __device__ __forceinline__ int phase_of(int j) const { return ((it + j) / kStages) & 1; }
 
-  // S = Q K_j^T once K_j has landed: k16 steps along the head dim, 4 per 64-column panel (32 bytes
-  // each).
+  // S = Q K_j^T once K_j has landed (head_dim_product.cuh).
   __device__ __forceinline__ void issue_s(float (&s)[kSRegs], int j) const {
     const int stage = stage_of(j);
     const uint64_t q_desc = ptx::smem_desc_sw128(shared.q + consumer_uniform * 64 * 128, 0);
     const uint64_t k_desc = ptx::smem_desc_sw128(shared.k(stage), 0);
     ptx::mbarrier_wait(shared.k_full(stage), phase_of(j));
     ptx::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      ptx::wgmma_ss(s, ptx::desc_advance(q_desc, (ks / 4) * kBlockM * 128 + (ks % 4) * 32),
-                    ptx::desc_advance(k_desc, (ks / 4) * kBlockN * 128 + (ks % 4) * 32), ks > 0, T{});
-    }
+    wgmma_over_head_dim<T, kHeadDim, kBlockM, kBlockN>(s, q_desc, k_desc);
     ptx::wgmma_commit();
   }
   // S_j has landed: its K stage is free, and after the tile's last block so is Q's buffer. With
