@@ -29,23 +29,29 @@ def extension():
         return None
 
 
-DEFAULT_BUILT_ARCHS = ("80", "90a")  # CMakeLists.txt's default list
+DEFAULT_BUILT_ARCHS = ("80", "90a", "80-virtual")  # CMakeLists.txt's default list
+# A module from before it named its targets was built for the default list of then.
+UNNAMED_BUILT_ARCHS = ("80", "90a")
 
 
 def built_archs() -> tuple[str, ...]:
-    """The CUDA targets the extension was compiled for, e.g. ("80", "90a") (a module from before it
-    said so: the default list)."""
+    """The CUDA targets the extension was compiled for, e.g. ("80", "90a", "80-virtual")."""
     module = extension()
     listed = getattr(module, "built_archs", None)
-    return tuple(listed.split(",")) if isinstance(listed, str) and listed else DEFAULT_BUILT_ARCHS
+    return tuple(listed.split(",")) if isinstance(listed, str) and listed else UNNAMED_BUILT_ARCHS
 
 
 def has_machine_code(capability: tuple[int, int], archs: tuple[str, ...]) -> bool:
-    """Whether machine code for one of `archs` runs on a GPU of `capability`: sm_XY code runs on
-    X.Z for Z >= Y (the same major), sm_90a only on 9.0."""
+    """Whether code for one of `archs` runs on a GPU of `capability`: sm_XY machine code on X.Z for
+    Z >= Y (the same major), sm_90a only on 9.0, and XY-virtual (PTX, which the driver compiles on
+    first use) on every GPU from X.Y on."""
     major, minor = capability
     for arch in archs:
-        if arch.endswith("a"):
+        if arch.endswith("-virtual"):
+            number = arch.removesuffix("-virtual")
+            if (major, minor) >= (int(number[:-1]), int(number[-1])):
+                return True
+        elif arch.endswith("a"):
             if (int(arch[:-2]), int(arch[-2])) == (major, minor):
                 return True
         elif int(arch[:-1]) == major and int(arch[-1]) <= minor:
@@ -119,7 +125,8 @@ def kernel_family() -> int:
 # GPUs are taken as the smallest of these. The Hopper kernels run on 9.0 alone; the mma.sync
 # backward's usual tiles take 114-209 KB a block, more than sm_86 and sm_89 allow, its compact
 # ones 65-145 KB (none at d = 96).
-SMEM_OPTIN_BY_CAPABILITY = {(8, 0): 166912, (8, 7): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448}
+SMEM_OPTIN_BY_CAPABILITY = {(8, 0): 166912, (8, 7): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448,
+                            (10, 0): 232448, (10, 3): 232448, (12, 0): 101376, (12, 1): 101376}
 # A number of bytes: the limit the dispatch assumes instead of the GPU's (read when a call is
 # traced). With JAX_FLASH_KERNELS=sm80 on an H100, 101376 runs the mma.sync kernels as an sm_86 or
 # sm_89 GPU would take them.

@@ -22,10 +22,11 @@ FWD_HEAD_DIMS = _contract.FWD_HEAD_DIMS
 BWD_HEAD_DIMS = _contract.BWD_HEAD_DIMS  # 192 runs the 256 kernels, zero-padded
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16)
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
-# The GPU generations our kernel families are written for: Turing (7.x) lacks their instructions,
-# and Blackwell (10.x, 12.x) is neither built for nor tested. Which of these GPUs an install has
-# machine code for is _ffi.has_machine_code's question (its targets, e.g. sm_80 and sm_90a).
-KERNEL_CAPABILITY_MAJORS = (8, 9)
+# The oldest GPU our kernel families run on: Turing (7.x) lacks their instructions (bf16 mma.sync,
+# cp.async). Blackwell and later run the mma.sync kernels from the PTX of the default build (not
+# tested on such a GPU). Which GPUs an install has code for is _ffi.has_machine_code's question
+# (its targets, e.g. sm_80, sm_90a and compute_80's PTX).
+MIN_KERNEL_CAPABILITY = (8, 0)
 
 
 def grid_fits(batch_heads: int) -> bool:
@@ -50,9 +51,8 @@ def unsupported_reason(call: Call) -> str | None:
     if not _ffi.cuda_device_available():
         return "the default JAX backend is not a CUDA GPU"
     major, minor = _ffi.device_capability()
-    if major not in KERNEL_CAPABILITY_MAJORS:
-        return (f"the kernels are built for compute capability 8.x and 9.0 (Ampere, Ada, Hopper); this GPU is "
-                f"{major}.{minor}")
+    if (major, minor) < MIN_KERNEL_CAPABILITY:
+        return f"the kernels need compute capability 8.0 or newer (Ampere and later); this GPU is {major}.{minor}"
     archs = _ffi.built_archs()
     if not _ffi.has_machine_code((major, minor), archs):
         return (f"this install of jax_flash has machine code for sm_{', sm_'.join(archs)}, none of which runs on "

@@ -61,9 +61,10 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
 
 def install(monkeypatch):
     """Make `implementation="cuda"` run on CPU through `call_kernel`."""
-    # The module's one query the dispatch makes: shared memory of the mma.sync backward (0: it
-    # fits every GPU; tests of the limit put their own sizes here).
-    module = types.SimpleNamespace(sm80_backward_smem_bytes=lambda head_dim: 0)
+    # What the dispatch asks of the module: shared memory of the mma.sync backward (0: it fits
+    # every GPU; tests of the limit put their own sizes here), and the targets built (the default).
+    module = types.SimpleNamespace(sm80_backward_smem_bytes=lambda head_dim: 0,
+                                   built_archs=",".join(_ffi.DEFAULT_BUILT_ARCHS))
     monkeypatch.setattr(_ffi, "extension", lambda: module)
     monkeypatch.setattr(_ffi, "cuda_device_available", lambda: True)
     monkeypatch.setattr(_ffi, "device_capability", lambda: (9, 0))

@@ -17,10 +17,12 @@ _JAX_NN = jax.nn.dot_product_attention
 
 @pytest.fixture
 def cudnn_calls(monkeypatch):
-    """A GPU of compute capability 10.0 (no machine code of ours) whose cuDNN attention runs as
-    jax.nn's XLA one; the kwargs of every cuDNN call traced."""
+    """A GPU of compute capability 10.0 with an install that has no code for it (machine code for
+    sm_80 and sm_90a, no PTX), whose cuDNN attention runs as jax.nn's XLA one; the kwargs of every
+    cuDNN call traced."""
     fake_kernels.install(monkeypatch)
     monkeypatch.setattr(_ffi, "device_capability", lambda: (10, 0))
+    monkeypatch.setattr(_ffi, "built_archs", lambda: ("80", "90a"))
     calls = []
 
     def fake(q, k, v, bias=None, mask=None, *, implementation=None, **kwargs):
@@ -39,15 +41,20 @@ def _inputs(t=64, s=64, n=4, kv_heads=2, h=64, dtype=jnp.bfloat16, seed=0):
     return q, k, v
 
 
-@pytest.mark.parametrize("capability,path", [((7, 5), "cudnn"), ((8, 0), "cuda"), ((8, 9), "cuda"),
-                                             ((9, 0), "cuda"), ((10, 0), "cudnn"), ((12, 0), "cudnn")])  # fmt: skip
-def test_each_capability_takes_the_kernels_or_cudnn(monkeypatch, cudnn_calls, capability, path):
+@pytest.mark.parametrize("capability,archs,path", [
+    ((7, 5), _ffi.DEFAULT_BUILT_ARCHS, "cudnn"), ((8, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"),
+    ((8, 9), _ffi.DEFAULT_BUILT_ARCHS, "cuda"), ((9, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"),
+    ((10, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"), ((12, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"),  # from the PTX
+    ((10, 0), ("80", "90a"), "cudnn"), ((12, 0), ("80", "90a"), "cudnn"),  # an install without it
+])  # fmt: skip
+def test_each_capability_takes_the_kernels_or_cudnn(monkeypatch, cudnn_calls, capability, archs, path):
     monkeypatch.setattr(_ffi, "device_capability", lambda: capability)
+    monkeypatch.setattr(_ffi, "built_archs", lambda: archs)
     q, k, v = _inputs()
     assert jax_flash.chosen_implementation(q, k, v, is_causal=True) == path
     assert bool(cudnn_calls) == (path == "cudnn")
     if path == "cudnn":  # implementation="cuda" still refuses, naming the GPU
-        with pytest.raises(ValueError, match=f"this GPU is {capability[0]}.{capability[1]}"):
+        with pytest.raises(ValueError, match=f"this GPU[ (is]*{capability[0]}\\.{capability[1]}"):
             jax_flash.attention(q, k, v, implementation="cuda")
 
 

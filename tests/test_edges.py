@@ -4,6 +4,9 @@ them, one query or one key, many query heads over one kv head, the smallest head
 grid limit that decides whether the kernels can take a shape. What the kernels compute at these
 shapes is tested on GPUs (test_cuda_edges.py)."""
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,17 +151,17 @@ def test_the_grid_split_rule(batch_heads, fits):
 
 
 @pytest.mark.parametrize("capability,runs", [((7, 5), False), ((8, 0), True), ((8, 6), True), ((8, 9), True),
-                                             ((9, 0), True), ((10, 0), False), ((12, 0), False)])  # fmt: skip
+                                             ((9, 0), True), ((10, 0), True), ((12, 0), True)])  # fmt: skip
 def test_the_kernels_run_only_where_they_have_machine_code(monkeypatch, capability, runs):
-    """Auto mode takes the kernels on Ampere, Ada and Hopper; on Turing and Blackwell (no code for
-    them in the default build) it takes another path (cuDNN where jax.nn's runs, which it does not
-    on this CPU: test_cudnn_fallback.py; so xla here), and `implementation="cuda"` says why."""
+    """Auto mode takes the kernels on Ampere, Ada, Hopper and (from the default build's PTX)
+    Blackwell; on Turing it takes another path (cuDNN where jax.nn's runs, which it does not on this
+    CPU: test_cudnn_fallback.py; so xla here), and `implementation="cuda"` says why."""
     fake_kernels.install(monkeypatch)
     monkeypatch.setattr(_ffi, "device_capability", lambda: capability)
     q = k = _shape_only((2, 64, 4, 64))
     assert jax_flash.chosen_implementation(q, k, k) == ("cuda" if runs else "xla-dense")
     if not runs:
-        with pytest.raises(ValueError, match=f"compute capability 8.x and 9.0 .* this GPU is {capability[0]}"):
+        with pytest.raises(ValueError, match=f"compute capability 8.0 or newer .* this GPU is {capability[0]}"):
             jax_flash.chosen_implementation(q, k, k, implementation="cuda")
 
 
@@ -166,6 +169,8 @@ def test_the_kernels_run_only_where_they_have_machine_code(monkeypatch, capabili
     (("80", "90a"), (8, 0), True), (("80", "90a"), (8, 6), True), (("80", "90a"), (9, 0), True),
     (("86",), (8, 0), False), (("86",), (8, 9), True),  # sm_XY code runs on X.Z, Z >= Y
     (("90a",), (8, 6), False), (("80",), (9, 0), False),  # sm_80 code does not run on Hopper
+    (("80",), (10, 0), False), (("80", "80-virtual"), (10, 0), True), (("80-virtual",), (12, 0), True),
+    (("86-virtual",), (8, 0), False),  # PTX runs from its own capability on
 ])  # fmt: skip
 def test_the_kernels_run_only_where_the_install_has_their_machine_code(monkeypatch, archs, capability, runs):
     """An install built for other GPUs (JAX_FLASH_CUDA_ARCHS, e.g. native on another machine) never
@@ -182,10 +187,17 @@ def test_the_kernels_run_only_where_the_install_has_their_machine_code(monkeypat
 
 
 def test_the_built_targets_are_read_from_the_extension(monkeypatch):
-    monkeypatch.setattr(_ffi, "extension", lambda: type("Module", (), {"built_archs": "86,90a"}))
-    assert _ffi.built_archs() == ("86", "90a")
+    monkeypatch.setattr(_ffi, "extension", lambda: type("Module", (), {"built_archs": "86,90a,80-virtual"}))
+    assert _ffi.built_archs() == ("86", "90a", "80-virtual")
     monkeypatch.setattr(_ffi, "extension", lambda: object())  # a module from before it said
-    assert _ffi.built_archs() == _ffi.DEFAULT_BUILT_ARCHS
+    assert _ffi.built_archs() == _ffi.UNNAMED_BUILT_ARCHS
+
+
+def test_the_default_targets_are_cmakes():
+    """_ffi.DEFAULT_BUILT_ARCHS is the list CMakeLists.txt builds when JAX_FLASH_CUDA_ARCHS is unset."""
+    cmake = (pathlib.Path(__file__).parent.parent / "CMakeLists.txt").read_text()
+    default = re.search(r'set\(JAX_FLASH_CUDA_ARCHS "([^"]+)"\)', cmake).group(1)
+    assert tuple(default.split(";")) == _ffi.DEFAULT_BUILT_ARCHS
 
 
 def _unsupported_reason(q, k):
