@@ -219,19 +219,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const FwdTile t = Work::load_tile_coordinates(shared.template tile_slot_ptr<Work>(n));
     const int rows_valid = min(kBlockM, p.seqlen_q - q_first);
     float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float sum = row_sum[r];
-      sum += __shfl_xor_sync(0xffffffff, sum, 1);
-      sum += __shfl_xor_sync(0xffffffff, sum, 2);
-      const bool empty = sum == 0.f;  // nothing visible: output 0, lse -inf
-      inv[r] = empty ? 0.f : 1.f / sum;
-      const int row = row_in_tile(r);
-      if (lane % 4 == 0 && row < rows_valid) {
-        p.lse[(int64_t(t.batch) * p.heads + t.head) * p.seqlen_q + q_first + row] =
-            empty ? -INFINITY : row_max[r] * logits.unit + logf(sum);
-      }
-    }
+    write_lse(p, t.batch, t.head, q_first, rows_valid, row_max, row_sum, logits.unit, row_in_tile, lane, inv);
     if (kStagedStore && blocks > 0) {
       // Into the last block's K stage, once every consumer's last S has read it.
       const int stage = ring.stage_of(blocks - 1);

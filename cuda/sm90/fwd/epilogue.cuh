@@ -4,6 +4,7 @@
 
 #include <cuda.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "common/params.h"
@@ -11,6 +12,30 @@
 #include "common/ptx_sm90.cuh"
 
 namespace jax_flash::sm90 {
+
+// The rows' log-sum-exp to p.lse (one thread of each quad, rows below rows_valid) and the factors
+// that normalise O (0 for a row that saw nothing visible, whose lse is -inf). row_in_tile(r):
+// this thread's rows of the tile from q_first of (batch, head). Everything by reference, as the
+// kernel holds it (by value, the code changed).
+template <typename RowInTile>
+__device__ __forceinline__ void write_lse(const FwdParams& p, const int& batch, const int& head, const int& q_first,
+                                          const int& rows_valid, const float (&row_max)[2], const float (&row_sum)[2],
+                                          const float& unit, const RowInTile& row_in_tile, const int& lane,
+                                          float (&inv)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    const bool empty = sum == 0.f;  // nothing visible: output 0, lse -inf
+    inv[r] = empty ? 0.f : 1.f / sum;
+    const int row = row_in_tile(r);
+    if (lane % 4 == 0 && row < rows_valid) {
+      p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_first + row] =
+          empty ? -INFINITY : row_max[r] * unit + logf(sum);
+    }
+  }
+}
 
 // O from registers: a quad holds 8 consecutive columns of its row as four 4-byte pairs, one a
 // thread; a 4 x 4 transpose across the quad (ptx::quad_transpose) gives each thread the 16 bytes
