@@ -54,6 +54,7 @@
 #include "sm90/bwd/epilogue.cuh"
 #include "sm90/bwd/products.cuh"
 #include "sm90/bwd/dq_adder.cuh"
+#include "sm90/bwd/dq_part.cuh"
 #include "sm90/bwd/shared_memory.cuh"
 #include "sm90/bwd/step_stats.cuh"
 #include "sm90/bwd_bias_tiles.cuh"
@@ -273,19 +274,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     ptx::fence_registers(dq);
 
-    // dQ to shared memory in the accumulator's tile order (sm90/dq_tiles.cuh), for the producer's
-    // dQ thread to add.
+    // dQ to shared memory for the producer's dQ thread (bwd/dq_part.cuh).
     const int dq_buffer = s % Cfg::kDqBuffers, dq_use = s / Cfg::kDqBuffers;
-    if (dq_use > 0) ptx::mbarrier_wait(sm.dq_empty(consumer, dq_buffer), (dq_use - 1) & 1);
-    if constexpr (!kThreadIndexAhead) t = ptx::thread_index() % 128;
-    const uint32_t sDq_part = sm.dq(consumer_uniform, dq_buffer);
-#pragma unroll
-    for (int c = 0; c < Cfg::Dq::kChunks; ++c) {
-      ptx::st_shared_f32x4(sDq_part + Cfg::Dq::chunk(c, t) * 16, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2],
-                           dq[4 * c + 3]);
-    }
-    ptx::fence_proxy_async_shared();
-    ptx::mbarrier_arrive(sm.dq_full(consumer, dq_buffer));
+    store_dq_part<Cfg, kThreadIndexAhead>(sm, dq, dq_buffer, dq_use, consumer, consumer_uniform, t);
 
     ptx::wgmma_wait<0>();
     ptx::fence_registers(dk);
