@@ -52,6 +52,7 @@
 #include "sm90/bwd/ds_lanes.cuh"
 #include "sm90/bwd/ds_tiles.cuh"
 #include "sm90/bwd/epilogue.cuh"
+#include "sm90/bwd/probabilities.cuh"
 #include "sm90/bwd/products.cuh"
 #include "sm90/bwd/dq_adder.cuh"
 #include "sm90/bwd/dq_part.cuh"
@@ -208,18 +209,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       add_step_bias<Cfg>(st, p, sm, s, key0 - k_first + warp * 16 + lane / 4, accum.col(0), 1.f / logits.unit);
     }
     if (!whole) mask_transposed_scores<kVariant>(st, band, q_first, key0, warp, lane);
-#pragma unroll
-    for (int n = 0; n < kBlockM / 8; ++n) {
-      const float2 l = kEarlyLse ? lse[n] : stats.tile(sm.lse(stage), n);
-#pragma unroll
-      for (int i = 4 * n; i < 4 * n + 4; ++i) st[i] = ptx::exp2(st[i] * scale_log2 - (i % 2 ? l.y : l.x));
-    }
-    // As A operands of k16 steps over the step's queries: the accumulator and A layouts agree.
-    uint32_t pa[kBlockM / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) pa[kk][j] = ptx::pack2<T>(st[8 * kk + 2 * j], st[8 * kk + 2 * j + 1]);
+    uint32_t pa[kBlockM / 16][4];  // P^T (bwd/probabilities.cuh)
+    const uint32_t lse_stats = sm.lse(stage);
+    probabilities<T, kEarlyLse>(st, pa, scale_log2, lse, stats, lse_stats);
 
     // delta, read before dV is issued (so ahead of its operand reads), except with a cap (folded
     // into dpt above), so that the FMULs scaling it do not wait for it (B16).
