@@ -118,14 +118,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // has read it, after the next tile's first S is issued (or before the CTA exits); and the
   // number of tiles staged so far (the phase of shared.last_s_landed()).
   int staged_stage = -1, staged_tiles = 0;
-  auto release_staging = [&] {
-    if (!kStagedStore || staged_stage < 0) return;
-    if (tid == 0) {
-      ptx::tma_store_wait_read();
-      ptx::mbarrier_arrive(shared.k_empty(staged_stage), 128u);
-    }
-    staged_stage = -1;
-  };
+  auto release_staging = [&] { release_staged_o<Cfg>(shared, staged_stage, tid); };
   constexpr int kStoreBarrier = ConsumerTurns<Cfg::kConsumers>::kEnd;  // + consumer: its O staged
   for (int n = 0, it = 0;; ++n) {
     ptx::mbarrier_wait(shared.q_full(), n & 1);
@@ -221,14 +214,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     float inv[2];
     write_lse(p, t.batch, t.head, q_first, rows_valid, row_max, row_sum, logits.unit, row_in_tile, lane, inv);
     if (kStagedStore && blocks > 0) {
-      // Into the last block's K stage, once every consumer's last S has read it.
-      const int stage = ring.stage_of(blocks - 1);
-      const uint32_t staging = shared.k(stage) + consumer_uniform * Cfg::kPanels * 64 * 128;
-      ptx::mbarrier_wait(shared.last_s_landed(), staged_tiles & 1);
-      ++staged_tiles;
-      store_o_staged<Cfg>(&maps.o, t.head, q_first + consumer_uniform * 64, t.batch, o, inv, staging,
-                          kStoreBarrier + consumer_uniform, tid, warp, lane);
-      staged_stage = stage;
+      // Into the last block's K stage (fwd/epilogue.cuh).
+      const int stage = ring.stage_of(blocks - 1), barrier = kStoreBarrier + consumer_uniform;
+      store_o_staged_tile<Cfg>(shared, &maps.o, t.head, q_first, t.batch, o, inv, stage, consumer_uniform, barrier,
+                               staged_tiles, staged_stage, tid, warp, lane);
     } else {
       const int64_t row_stride = int64_t(p.heads) * kHeadDim;
       T* gO = static_cast<T*>(p.o) + (int64_t(t.batch) * p.seqlen_q + q_first) * row_stride + t.head * kHeadDim;

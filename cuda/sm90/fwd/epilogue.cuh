@@ -102,4 +102,33 @@ __device__ __forceinline__ void store_o_staged(const CUtensorMap* map, int head,
   }
 }
 
+// kStagedStore: O of this consumer's 64 rows into the last key block's K stage (`stage`), once
+// every consumer's last S has read it (`staged_tiles` counts the tiles staged: the barrier's
+// phase), then stored by TMA; `staged_stage` keeps the stage until release_staged_o frees it. By reference, as the kernel holds them.
+template <typename Cfg, typename SharedMemory>
+__device__ __forceinline__ void store_o_staged_tile(const SharedMemory& shared, const CUtensorMap* map, const int& head,
+                                                    const int& q_first, const int& batch,
+                                                    const float (&o)[Cfg::kOChunks][Cfg::kOChunkCols / 2],
+                                                    const float (&inv)[2], const int& stage,
+                                                    const int& consumer_uniform, const int& barrier, int& staged_tiles,
+                                                    int& staged_stage, const int& tid, const int& warp,
+                                                    const int& lane) {
+  const uint32_t staging = shared.k(stage) + consumer_uniform * Cfg::kPanels * 64 * 128;
+  ptx::mbarrier_wait(shared.last_s_landed(), staged_tiles & 1);
+  ++staged_tiles;
+  store_o_staged<Cfg>(map, head, q_first + consumer_uniform * 64, batch, o, inv, staging, barrier, tid, warp, lane);
+  staged_stage = stage;
+}
+
+// kStagedStore: the staged O's K stage back to the producer once the TMA store has read it.
+template <typename Cfg, typename SharedMemory>
+__device__ __forceinline__ void release_staged_o(const SharedMemory& shared, int& staged_stage, const int& tid) {
+  if (!Cfg::kStagedStore || staged_stage < 0) return;
+  if (tid == 0) {
+    ptx::tma_store_wait_read();
+    ptx::mbarrier_arrive(shared.k_empty(staged_stage), 128u);
+  }
+  staged_stage = -1;
+}
+
 }  // namespace jax_flash::sm90
