@@ -26,6 +26,7 @@
 #include "common/tile.cuh"
 #include "sm80/bwd/dq_adds.cuh"
 #include "sm80/bwd/epilogue.cuh"
+#include "sm80/bwd/probabilities.cuh"
 #include "sm80/bwd/products.cuh"
 #include "sm80/traits.cuh"
 
@@ -166,35 +167,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     auto row = [&](int mt, int r) { return sdp_m + mt * 16 + r * 8 + lane / 4; };
     auto col = [&](int n, int j) { return sdp_n + n * 8 + (lane % 4) * 2 + j; };
 
-    // P = exp(logit - lse) (0 for rows that see no key: their lse_log2 is +inf); keys outside the
-    // band or past seqlen_k are masked here. `pairs`: the bias's layout (kBias only, bias.cuh).
+    // P (bwd/probabilities.cuh). `pairs`: the bias's layout (kBias only, bias.cuh).
     auto probabilities = [&](auto pairs) {
-#pragma unroll
-      for (int mt = 0; mt < kSdpMTiles; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float lse_log2 = stats[row(mt, r)];
-          const int q = q_first + row(mt, r);
-          const Range seen = band.keys_seen_by(q);
-#pragma unroll
-          for (int n = 0; n < 4; ++n) {
-            float2 add{0.f, 0.f};
-            if constexpr (kBias) add = bias.template pair<decltype(pairs)::value>(q, k_first + col(n, 0));
-            float prob[2], slope[2];
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const int k = k_first + col(n, j);
-              const float x = logits.value(acc[mt][n][2 * r + j]);
-              slope[j] = logits.slope(x);
-              const float biased = kBias ? x + (j ? add.y : add.x) : x;
-              prob[j] = ptx::exp2(biased * scale_log2 - lse_log2);
-              if (masked && (k < seen.begin || k >= seen.end || !band.same_segment(q, k))) prob[j] = 0.f;
-            }
-            const uint32_t packed = ptx::pack2<T>(prob[0], prob[1]);
-            ptx::st_shared_b32(st_p(n, mt * 16 + r * 8), packed);
-            p_for_ds[mt][n][r] = LogitsT::kMayCap ? ptx::pack2<T>(prob[0] * slope[0], prob[1] * slope[1]) : packed;
-          }
-        }
+      sm80::probabilities<T, kBias>(pairs, acc, p_for_ds, stats, band, bias, logits, scale_log2, q_first, k_first,
+                                    masked, row, col, st_p);
     };
     product(stage_offset, 0);
     if constexpr (kBias) {
