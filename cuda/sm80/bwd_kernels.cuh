@@ -25,6 +25,7 @@
 #include "common/ptx.cuh"
 #include "common/tile.cuh"
 #include "sm80/bwd/dq_adds.cuh"
+#include "sm80/bwd/ds.cuh"
 #include "sm80/bwd/epilogue.cuh"
 #include "sm80/bwd/probabilities.cuh"
 #include "sm80/bwd/products.cuh"
@@ -179,35 +180,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
       probabilities(std::true_type{});
     }
 
-    // dS = P (dP - delta) * scale (* slope with a cap, inside p_for_ds).
+    // dS = P (dP - delta) * scale (* slope with a cap, inside p_for_ds): bwd/ds.cuh.
     product(stage_offset + kDoFromQ, kVFromK);
     const BiasGrad dbias = kBias ? BiasGrad::from(p, batch, head) : BiasGrad{};
-#pragma unroll
-    for (int mt = 0; mt < kSdpMTiles; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float delta = stats[kBlockM + row(mt, r)];
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          const float2 prob = ptx::unpack2<T>(p_for_ds[mt][n][r]);
-          const float ds0 = prob.x * (acc[mt][n][2 * r] - delta) * p.scale;
-          const float ds1 = prob.y * (acc[mt][n][2 * r + 1] - delta) * p.scale;
-          ptx::st_shared_b32(st_p(n, mt * 16 + r * 8) + kDsFromP, ptx::pack2<T>(ds0, ds1));
-          if constexpr (kBias) {
-            // d logit = P (dP - delta), with P (no slope) read back from this thread's own stores.
-            const int q = q_first + row(mt, r);
-            if (dbias.wanted() && q < p.seqlen_q) {
-              const float2 plain = ptx::unpack2<T>(ptx::ld_shared_b32(st_p(n, mt * 16 + r * 8)));
-#pragma unroll
-              for (int j = 0; j < 2; ++j) {
-                const int k = k_first + col(n, j);
-                const float prob_j = j ? plain.y : plain.x;
-                if (prob_j != 0.f && k < p.seqlen_k) dbias.add(q, k, prob_j * (acc[mt][n][2 * r + j] - delta));
-              }
-            }
-          }
-        }
-      }
+    store_ds<T, kBias, kBlockM, kDsFromP>(acc, p_for_ds, stats, dbias, p, q_first, k_first, row, col, st_p);
     __syncthreads();  // P and dS of every warp are in shared memory
 
     // dV += P^T dO and dK += dS^T Q: 32 keys x H/kDkvWarpsD per warp.
