@@ -48,8 +48,8 @@ template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm80::BwdConfig<T, kHeadDim>;
   if (cudaError_t e = launch_bwd_preprocess<T, kHeadDim>(p, stream); e != cudaSuccess) return e;
-  const int device_limit = current_device_limits().smem_optin;
-  const int limit = p.smem_limit > 0 && (device_limit <= 0 || p.smem_limit < device_limit) ? p.smem_limit : device_limit;
+  int limit = current_device_limits().smem_optin;  // 0 where the runtime cannot say
+  if (p.smem_limit > 0 && (limit <= 0 || p.smem_limit < limit)) limit = p.smem_limit;
   if (limit <= 0 || Cfg::kSmemBytes <= limit) return launch_bwd_sm80<Cfg, kVariant>(p, stream);
   if constexpr (sm80::has_compact_bwd(kHeadDim)) {
     using Compact = sm80::BwdConfig<T, kHeadDim, true>;

@@ -20,9 +20,9 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/tile.cuh"
+#include "sm80/fwd/block_logits.cuh"
 #include "sm80/fwd/epilogue.cuh"
 #include "sm80/fwd/products.cuh"
-#include "sm80/fwd/block_logits.cuh"
 #include "sm80/fwd/softmax.cuh"
 #include "sm80/traits.cuh"
 

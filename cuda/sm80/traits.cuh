@@ -59,11 +59,20 @@ struct BwdConfig {
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   // Keys per CTA, resident with their dK and dV: 128, or 64 at H = 256, where 128 keys' dK and dV
-  // would need 256 registers a thread.
+  // would need 256 registers a thread (and at H = 128 with compact tiles).
   static constexpr int kBlockN = kHeadDim <= 128 && !(kCompact && kHeadDim == 128) ? 128 : 64;
   // Queries per step: 128 where H <= 64, whose products are too short to hide the fixed cost of a
-  // step (two barriers, the softmax, P and dS through shared memory) at 64 queries.
+  // step (two barriers, the softmax, P and dS through shared memory) at 64 queries (64 with
+  // compact tiles).
   static constexpr int kBlockM = kHeadDim <= 64 && !kCompact ? 128 : 64;
+  // Each product gets its own warp grid, so that every warp's tile is 32 x 32 or larger (a loaded
+  // fragment feeds two or more mma.sync):
+  //   S = Q K^T, dP = dO V^T      2 x 4 warps of kBlockM/2 queries x 32 keys (4 x 2 of
+  //                               kBlockM/4 x 32 with 64 keys)
+  //   dV += P^T dO, dK += dS^T Q  4 x 2 warps of 32 keys x H/2 (2 x 4 of 32 x H/4 with 64 keys)
+  //   dQ = dS K                   2 x 4 warps of 32 queries x H/4 (kBlockM = 64), or 4 x 2 of
+  //                               kBlockM/4 x H/2 where H/4 is not a whole number of n8 pairs
+  //                               (H = 32, 96) or the steps are 128 queries
   static constexpr int kSdpWarpsN = kBlockN / 32;
   static constexpr int kSdpRowsPerWarp = kBlockM / (kWarps / kSdpWarpsN);
   static constexpr int kDkvWarpsD = kWarps / (kBlockN / 32);

@@ -1,8 +1,8 @@
 // A capped step of the Hopper backward (a soft cap, or a bias call with one), once S^T and dP^T
 // have landed: S^T becomes the tanh values (logits.cuh) and dP^T becomes (dP^T - delta) times the
 // tanh's slopes. Where dbias wants d logit without the slopes (kSlopesApart), they go to `slopes`
-// as packed pairs of elements 2 i, 2 i + 1 instead. delta is the stage's (sm.delta(stage)). Kept apart as floats until dS^T, the slopes
-// took 32-64 more registers and spilled.
+// as packed pairs of elements 2 i, 2 i + 1 instead (kept apart as floats until dS^T, the slopes
+// took 32-64 more registers and spilled). delta is the stage's (sm.delta(stage)).
 #pragma once
 
 #include <cstdint>

@@ -104,7 +104,8 @@ __device__ __forceinline__ void store_o_staged(const CUtensorMap* map, int head,
 
 // kStagedStore: O of this consumer's 64 rows into the last key block's K stage (`stage`), once
 // every consumer's last S has read it (`staged_tiles` counts the tiles staged: the barrier's
-// phase), then stored by TMA; `staged_stage` keeps the stage until release_staged_o frees it. By reference, as the kernel holds them.
+// phase), then stored by TMA; `staged_stage` keeps the stage until release_staged_o frees it. By
+// reference, as the kernel holds them.
 template <typename Cfg, typename SharedMemory>
 __device__ __forceinline__ void store_o_staged_tile(const SharedMemory& shared, const CUtensorMap* map, const int& head,
                                                     const int& q_first, const int& batch,
