@@ -145,34 +145,60 @@ def test_empty_inputs(monkeypatch, family, q_shape, kv_shape):
 # 96 and the compact ones at 256 (cuda/sm80/traits.cuh).
 SMALLER_GPUS = [(101376, 32, True), (101376, 64, True), (101376, 128, True), (101376, 96, False),
                 (101376, 256, False), (166912, 96, True), (166912, 256, True)]  # fmt: skip
+# Each kernel variant (params.h): plain, masked (ragged lengths, or segment ids with a window),
+# soft cap, bias (differentiated, with a boolean mask).
+VARIANTS = ["plain", "lengths", "segments-window", "softcap", "bias-mask"]
 
 
+def _variant_kwargs(variant, rng, b, t, n):
+    lengths = jnp.asarray([t, 171], jnp.int32)
+    segments = jnp.asarray(np.sort(rng.integers(0, 3, size=(b, t)), axis=1), jnp.int32)
+    return {
+        "plain": dict(),
+        "lengths": dict(is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths),
+        "segments-window": dict(q_segment_ids=segments, kv_segment_ids=segments, local_window_size=(100, 30)),
+        "softcap": dict(is_causal=True, softcap=20.0),
+        "bias-mask": dict(bias=jnp.asarray(rng.normal(size=(1, n, t, t)), jnp.float32),
+                          mask=jnp.asarray(rng.random((b, 1, t, t)) < 0.9)),
+    }[variant]  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("limit,h,kernels", SMALLER_GPUS, ids=[f"{lim // 1024}KB-d{h}" for lim, h, _ in SMALLER_GPUS])
-def test_a_gpu_with_less_shared_memory(monkeypatch, limit, h, kernels):
+def test_a_gpu_with_less_shared_memory(monkeypatch, limit, h, kernels, variant):
     """The mma.sync kernels as an sm_86/89 or an A100 takes them (JAX_FLASH_SMEM_LIMIT): the
     forward kernels fit (at most 96 KB); the backward runs the tiles that fit, or where none does
-    auto mode takes the xla path's backward. Causal, GQA, ragged lengths (several query blocks a
-    key block, in one stage's turns), against the float64 reference."""
+    auto mode takes the xla path's backward. GQA, every kernel variant, T = 300 (several query
+    blocks a key block, in one stage's turns), gradients (the bias's too) against the float64
+    reference."""
     monkeypatch.setenv(_ffi.KERNELS_ENV, "sm80")
     monkeypatch.setenv(_ffi.SMEM_LIMIT_ENV, str(limit))
-    rng = rng_for("cuda-smem-limit", limit, h)
-    q = jnp.asarray(rng.normal(size=(2, 300, 4, h)), jnp.bfloat16)
-    k, v = (jnp.asarray(rng.normal(size=(2, 300, 2, h)), jnp.bfloat16) for _ in range(2))
-    lengths = jnp.asarray([300, 171], jnp.int32)
+    rng = rng_for("cuda-smem-limit", limit, h, variant)
+    b, t, n = 2, 300, 4
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.normal(size=(b, t, 2, h)), jnp.bfloat16) for _ in range(2))
     g_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
-    kw = dict(is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+    kw = _variant_kwargs(variant, rng, b, t, n)
+    bias = kw.pop("bias", jnp.zeros((), jnp.float32))
+    with_bias = variant == "bias-mask"
 
-    def loss(attend, q, k, v):
-        return jnp.sum(attend(q, k, v).astype(jnp.float32) * g_out)
+    def loss(attend, q, k, v, bias):
+        return jnp.sum(attend(q, k, v, bias).astype(jnp.float32) * g_out)
 
-    ours = lambda q, k, v: jax_flash.attention(q, k, v, **kw)  # noqa: E731
-    assert "jax_flash_fwd" in jax.jit(ours).lower(q, k, v).as_text()
-    grad_text = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2))).lower(q, k, v).as_text()
-    assert ("jax_flash_bwd" in grad_text) is kernels
-    grads = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2)))(q, k, v)
-    ref = jax.grad(lambda *a: loss(lambda q, k, v: reference.attention(q, k, v, **kw)[0], *a),
-                   argnums=(0, 1, 2))(q, k, v)  # fmt: skip
-    for mine, want in zip(grads, ref):
-        assert not np.isnan(np.asarray(mine, np.float32)).any()
-        assert reference.rel_error(mine, want) < GRAD_TOL
-    assert reference.rel_error(ours(q, k, v), reference.attention(q, k, v, **kw)[0]) < FWD_TOL
+    def ours(q, k, v, bias):
+        return jax_flash.attention(q, k, v, bias if with_bias else None, **kw)
+
+    def ref(q, k, v, bias):
+        return reference.attention(q, k, v, bias if with_bias else None, **kw)[0]
+
+    grad = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2, 3)))
+    assert "jax_flash_fwd" in jax.jit(ours).lower(q, k, v, bias).as_text()
+    assert ("jax_flash_bwd" in grad.lower(q, k, v, bias).as_text()) is kernels
+    grads = grad(q, k, v, bias)
+    ref_grads = jax.grad(lambda *a: loss(ref, *a), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for name, mine, want in zip(["dq", "dk", "dv", "dbias"], grads, ref_grads):
+        if name == "dbias" and not with_bias:
+            continue
+        assert not np.isnan(np.asarray(mine, np.float32)).any(), name
+        assert reference.rel_error(mine, want) < GRAD_TOL, name
+    assert reference.rel_error(ours(q, k, v, bias), ref(q, k, v, bias)) < FWD_TOL
