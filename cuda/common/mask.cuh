@@ -175,4 +175,16 @@ struct Band {
   }
 };
 
+// The per-element rule of the mask loops: `element` becomes `fill` where x lies outside the range
+// its row sees (a key of query row q in keys_seen_by(q), or a query of key row k in
+// queries_seeing(k)) or other_segment() (q's and k's segment ids differ; a callable, so that the
+// ids load only past the range test). Two loops write the same test out, as through a function
+// they compiled to slower or spilling code (perf log, session 49): mask_query_row
+// (fragment_mask.cuh) and the Hopper backward's S^T mask (sm90/bwd/band_mask.cuh).
+template <typename OtherSegment>
+__device__ __forceinline__ void hide_outside(float& element, float fill, const Range& seen, const int& x,
+                                             const OtherSegment& other_segment) {
+  if (x < seen.begin || x >= seen.end || other_segment()) element = fill;
+}
+
 }  // namespace jax_flash

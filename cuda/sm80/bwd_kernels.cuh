@@ -29,6 +29,7 @@
 #include "sm80/bwd/epilogue.cuh"
 #include "sm80/bwd/probabilities.cuh"
 #include "sm80/bwd/products.cuh"
+#include "sm80/bwd/step_loads.cuh"
 #include "sm80/traits.cuh"
 
 namespace jax_flash::sm80 {
@@ -82,22 +83,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
                                      kBlockM, group);
   const int steps = walk.steps;
 
-  // Rows past seqlen_q are zero-filled in Q and dO and have lse_log2 = +inf (bwd_preprocess), so
-  // they give P = 0 and dS = 0 and add nothing to dK or dV.
+  // A step's Q, dO and statistics into a stage (bwd/step_loads.cuh).
   auto prefetch = [&](BwdStep c, int stage) {
-    const int q_first = c.m_block * kBlockM;
-    const int64_t offset = (int64_t(batch) * p.seqlen_q + q_first) * q_row_stride + c.head * kHeadDim;
-    const int rows = p.seqlen_q - q_first;
-    load_tile_async<QTile, Cfg::kThreads, false>(stage_q(stage), static_cast<const T*>(p.q) + offset,
-                                                 q_row_stride, rows, tid);
-    load_tile_async<QTile, Cfg::kThreads, false>(stage_do(stage), static_cast<const T*>(p.dout) + offset,
-                                                 q_row_stride, rows, tid);
-    // The statistics rows are padded to whole blocks (params.h).
-    const int64_t row_offset = (int64_t(batch) * p.heads + c.head) * p.stats_stride + q_first;
-    if (tid < 2 * kBlockM) {
-      const float* src = (tid < kBlockM ? p.lse_log2 : p.delta) + row_offset + tid % kBlockM;
-      ptx::cp_async_4(stage_stats(stage) + tid * 4, src, true);
-    }
+    load_step<Cfg>(p, c, batch, q_row_stride, stage_q(stage), stage_do(stage), stage_stats(stage), tid);
   };
 
   load_tile_async<KTile, Cfg::kThreads, false>(sK, static_cast<const T*>(p.k) + kv_offset, kv_row_stride,

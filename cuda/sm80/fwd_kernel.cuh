@@ -7,23 +7,25 @@
 // with one barrier per key block. Key blocks are visited from the last one down, so the (few)
 // blocks that need the band mask come first and the rest run unmasked.
 //
-// The pieces, in sm80/fwd/: products.cuh (S = Q K^T, O += P V), softmax.cuh (the online softmax of a
-// block) and epilogue.cuh (O and the log-sum-exp out).
+// The pieces, in sm80/fwd/: products.cuh (S = Q K^T, O += P V), block_logits.cuh (cap and bias)
+// and epilogue.cuh (O and the log-sum-exp out); from common/: the band mask (fragment_mask.cuh)
+// and the online softmax (online_softmax.cuh, shared with the decode kernel).
 #pragma once
 
 #include <cmath>
 
 #include "common/bias.cuh"
+#include "common/fragment_mask.cuh"
 #include "common/grid.cuh"
 #include "common/logits.cuh"
 #include "common/mask.cuh"
+#include "common/online_softmax.cuh"
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/tile.cuh"
 #include "sm80/fwd/block_logits.cuh"
 #include "sm80/fwd/epilogue.cuh"
 #include "sm80/fwd/products.cuh"
-#include "sm80/fwd/softmax.cuh"
 #include "sm80/traits.cuh"
 
 namespace jax_flash::sm80 {
@@ -135,19 +137,16 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int q = q_first + thread_row(mt, r);
-            const Range seen = band.keys_seen_by(q);
-#pragma unroll
-            for (int n = 0; n < kNTiles; ++n)
-#pragma unroll
-              for (int c = 0; c < 2; ++c) {
-                const int k = k_first + n * 8 + (lane % 4) * 2 + c;
-                if (k < seen.begin || k >= seen.end || !band.same_segment(q, k)) acc_s[mt][n][2 * r + c] = -INFINITY;
-              }
+            mask_query_row<kNTiles>(band, q, k_first, lane, -INFINITY,
+                                    [&](int n, int c) -> float& { return acc_s[mt][n][2 * r + c]; });
           }
       }
       // Base 2 with the scale folded in (one FFMA per element).
       const float scale_log2 = logits.unit * kLog2e;
-      online_softmax(acc_s, row_max, row_sum, acc_o, scale_log2);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        online_softmax_step(acc_s[mt], acc_o[mt], row_max[mt], row_sum[mt], scale_log2);
+      }
     };
 
     auto accumulate_pv = [&](const float (&acc_s)[kMTiles][kNTiles][4], int j) {

@@ -57,6 +57,7 @@
 #include "sm90/bwd/probabilities.cuh"
 #include "sm90/bwd/products.cuh"
 #include "sm90/bwd/shared_memory.cuh"
+#include "sm90/bwd/steps.cuh"
 #include "sm90/bwd/step_stats.cuh"
 #include "sm90/bwd_bias_tiles.cuh"
 #include "sm90/bwd_stages.cuh"
@@ -77,26 +78,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kStages = Cfg::kStages;
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
   constexpr float kLog2e = 1.4426950408889634f;
-  constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
-  constexpr bool kBias = kVariant == Variant::kEverything;
-  static_assert(kBias || (!kBiasGrad && !kBiasCapped), "dbias and kBiasCapped need a bias");
-  // A capped step (kCappedStep) waits for dP^T as well as S^T before its softmax, and takes
-  // dP^T - delta there, times the tanh's slopes, except where dbias wants d logit without them
-  // (kSlopesApart): there the slopes wait for dS^T in registers, as packed pairs.
-  constexpr bool kCappedStep = kSoftcap || kBiasCapped, kSlopesApart = kBiasCapped && kBiasGrad;
-  // Key blocks with the longest walks start first (BwdCta; B19).
-  // Not where the remap's registers spill: at 80-query steps (which run no band, so that every
-  // order does as well) and in the capped H = 64 kernel.
-  constexpr bool kLongestFirst = kBlockM != 80 && !(kCappedStep && kHeadDim == 64);
-  // dV is issued once dS^T is in shared memory (FlashAttention-3's order), so that dS^T follows
-  // dP^T's landing at once, and the thread index is read ahead of where it is needed (below; B20).
-  // Not with a cap, whose step waits for dP^T before the softmax: there the two were slower.
-  constexpr bool kDvAfterDs = !kCappedStep, kThreadIndexAhead = !kCappedStep;
-  // At H = 64 (128-query steps) dV goes out after dQ, not before: dQ's part then reaches shared
-  // memory while dV and dK run (B21). Slower at H = 128; at 80-query steps P^T, live until dV
-  // lands, spilled. (Measured in the plain kernels only.)
-  constexpr bool kDqFirst = kHeadDim == 64 && kVariant == Variant::kPlain;
-  static_assert(kDvAfterDs || !kDqFirst, "dV is issued at one place of the step");
+  using Steps = BwdSteps<Cfg, kVariant, kBiasGrad, kBiasCapped>;  // what a step does, in which order
+  constexpr bool kMasked = Steps::kMasked, kBias = Steps::kBias;
+  constexpr bool kCappedStep = Steps::kCappedStep, kSlopesApart = Steps::kSlopesApart;
+  constexpr bool kLongestFirst = Steps::kLongestFirst, kDvAfterDs = Steps::kDvAfterDs;
+  constexpr bool kThreadIndexAhead = Steps::kThreadIndexAhead, kDqFirst = Steps::kDqFirst;
 
   extern __shared__ char smem[];
   const auto sm = BwdSharedMemory<Cfg>::of(smem);

@@ -35,6 +35,7 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "sm90/bwd/wide_epilogue.cuh"
 #include "sm90/bwd/wide_products.cuh"
 #include "sm90/bwd/wide_shared_memory.cuh"
 #include "sm90/row_mask.cuh"
@@ -258,30 +259,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
   if (walk.steps > 0) do_step(walk.steps - 1, step.m_block * kBlockM, step.head, std::false_type{});
 
-  // Epilogue: dK^T and dV^T transposed into this consumer's column panels of the K and V tiles
-  // ([key][column], as the dk and dv tensor maps expect; every S and dP has landed before the
-  // last step's kTilesReady, which both consumers passed, so K and V are unread), then TMA
-  // stores, which clip rows past seqlen_k.
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int column = row0 + mt * 64 + accum_row(i), key = accum.col(i);
-      const uint32_t off = (column / 64) * kBlockN * 128 + ptx::sw128_offset(key, (column % 64) / 8) + (column % 8) * 2;
-      ptx::st_shared_b16(sK + off, ptx::pack2<T>(dkt[mt][i], 0.f) & 0xffff);
-      ptx::st_shared_b16(sV + off, ptx::pack2<T>(dvt[mt][i], 0.f) & 0xffff);
-    }
-  ptx::fence_proxy_async_shared();
-  ptx::named_barrier_sync(kEpilogue + consumer, 128);
-  if (tid == 0) {
-    for (int panel = row0 / 64; panel < (row0 + 128) / 64; ++panel) {
-      const uint32_t off = panel * kBlockN * 128;
-      ptx::tma_store_4d(&maps.dk, sK + off, panel * 64, kv_head, k_first, batch);
-      ptx::tma_store_4d(&maps.dv, sV + off, panel * 64, kv_head, k_first, batch);
-    }
-    ptx::tma_store_commit();
-    ptx::tma_store_wait_read();
-  }
+  // dK^T and dV^T out (bwd/wide_epilogue.cuh).
+  store_wide_dkdv<Cfg, kEpilogue>(&maps.dk, &maps.dv, dkt, dvt, sK, sV, row0, accum_row, accum, consumer, tid,
+                                  kv_head, k_first, batch);
 #endif
 }
 

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "common/accumulator.cuh"
+#include "common/fragment_mask.cuh"
 #include "common/mask.cuh"
 
 namespace jax_flash::sm90 {
@@ -19,13 +20,8 @@ __device__ __forceinline__ void mask_rows(float (&s)[kSRegs], const Band& band, 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int q = q_first + (warp * 16 + accum.row(2 * r));
-    const Range seen = band.keys_seen_by(q);
-#pragma unroll
-    for (int i = 0; i < kSRegs; ++i) {
-      if ((i % 4) / 2 != r) continue;
-      const int k = k_first + accum.col(i);
-      if (k < seen.begin || k >= seen.end || !band.same_segment(q, k)) s[i] = -INFINITY;
-    }
+    mask_query_row<kSRegs / 4>(band, q, k_first, lane, -INFINITY,
+                               [&](int n8, int c) -> float& { return s[4 * n8 + 2 * r + c]; });
   }
 }
 

@@ -42,7 +42,7 @@ __device__ __forceinline__ void probabilities(Pairs pairs, const float (&acc)[kM
           slope[j] = logits.slope(x);
           const float biased = kBias ? x + (j ? add.y : add.x) : x;
           prob[j] = ptx::exp2(biased * scale_log2 - lse_log2);
-          if (masked && (k < seen.begin || k >= seen.end || !band.same_segment(q, k))) prob[j] = 0.f;
+          if (masked) hide_outside(prob[j], 0.f, seen, k, [&] { return !band.same_segment(q, k); });
         }
         const uint32_t packed = ptx::pack2<T>(prob[0], prob[1]);
         ptx::st_shared_b32(st_p(n, mt * 16 + r * 8), packed);

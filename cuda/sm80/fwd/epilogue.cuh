@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "common/ptx.cuh"
+#include "common/row_total.cuh"
 
 namespace jax_flash::sm80 {
 
@@ -24,18 +25,15 @@ __device__ __forceinline__ void store_output(const float (&acc_o)[kMTiles][Cfg::
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = warp_row0 + mt * 16 + r * 8 + lane / 4;
-    float sum = row_sum[mt][r];
-    sum += __shfl_xor_sync(0xffffffff, sum, 1);
-    sum += __shfl_xor_sync(0xffffffff, sum, 2);
-    const bool empty = sum == 0.f;  // nothing visible: output 0, lse -inf
-    const float inv = empty ? 0.f : 1.f / sum;
+    const RowTotal total(row_sum[mt][r]);
+    const float inv = total.inv();
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d) {
       const uint32_t packed = ptx::pack2<T>(acc_o[mt][d][2 * r] * inv, acc_o[mt][d][2 * r + 1] * inv);
       ptx::st_shared_b32(sQ + QTile::offset(row, d) + (lane % 4) * 4, packed);
     }
     if (lane % 4 == 0 && row < rows_valid) {
-      gLse[row] = empty ? -INFINITY : row_max[mt][r] * unit + logf(sum);
+      gLse[row] = total.lse(row_max[mt][r], unit);
     }
   }
   __syncwarp();

@@ -30,8 +30,9 @@ __device__ __forceinline__ void mask_band(float (&s)[kSRegs], const Band& band, 
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) {
       const int r = (i % 4) / 2, k = k_first + accum.col(i);
+      // The id loads issue with the range test, not after it: unswitched, they cost less.
       const bool other_segment = kSegments && band.kv_segment(k) != q_segment[r];
-      if (k < seen[r].begin || k >= seen[r].end || other_segment) s[i] = fill;
+      hide_outside(s[i], fill, seen[r], k, [&] { return other_segment; });
     }
   };
   if (bm.one_segment) {

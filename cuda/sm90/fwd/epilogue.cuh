@@ -10,6 +10,7 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "common/row_total.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -24,15 +25,11 @@ __device__ __forceinline__ void write_lse(const FwdParams& p, const int& batch, 
                                           float (&inv)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float sum = row_sum[r];
-    sum += __shfl_xor_sync(0xffffffff, sum, 1);
-    sum += __shfl_xor_sync(0xffffffff, sum, 2);
-    const bool empty = sum == 0.f;  // nothing visible: output 0, lse -inf
-    inv[r] = empty ? 0.f : 1.f / sum;
+    const RowTotal total(row_sum[r]);
+    inv[r] = total.inv();
     const int row = row_in_tile(r);
     if (lane % 4 == 0 && row < rows_valid) {
-      p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_first + row] =
-          empty ? -INFINITY : row_max[r] * unit + logf(sum);
+      p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_first + row] = total.lse(row_max[r], unit);
     }
   }
 }
