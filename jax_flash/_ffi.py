@@ -41,20 +41,24 @@ def built_archs() -> tuple[str, ...]:
     return tuple(listed.split(",")) if isinstance(listed, str) and listed else UNNAMED_BUILT_ARCHS
 
 
+def _capability_of(digits: str) -> tuple[int, int]:
+    """The compute capability a target's digits name: "86" -> (8, 6), "100" -> (10, 0)."""
+    return int(digits[:-1]), int(digits[-1])
+
+
 def has_machine_code(capability: tuple[int, int], archs: tuple[str, ...]) -> bool:
     """Whether code for one of `archs` runs on a GPU of `capability`: sm_XY machine code on X.Z for
     Z >= Y (the same major), sm_90a only on 9.0, and XY-virtual (PTX, which the driver compiles on
     first use) on every GPU from X.Y on."""
-    major, minor = capability
     for arch in archs:
         if arch.endswith("-virtual"):
-            number = arch.removesuffix("-virtual")
-            if (major, minor) >= (int(number[:-1]), int(number[-1])):
-                return True
+            runs = capability >= _capability_of(arch.removesuffix("-virtual"))
         elif arch.endswith("a"):
-            if (int(arch[:-2]), int(arch[-2])) == (major, minor):
-                return True
-        elif int(arch[:-1]) == major and int(arch[-1]) <= minor:
+            runs = capability == _capability_of(arch[:-1])
+        else:
+            major, minor = _capability_of(arch)
+            runs = capability[0] == major and capability[1] >= minor
+        if runs:
             return True
     return False
 
