@@ -145,22 +145,25 @@ def test_empty_inputs(monkeypatch, family, q_shape, kv_shape):
 # 96 and the compact ones at 256 (cuda/sm80/traits.cuh).
 SMALLER_GPUS = [(101376, 32, True), (101376, 64, True), (101376, 128, True), (101376, 96, False),
                 (101376, 256, False), (166912, 96, True), (166912, 256, True)]  # fmt: skip
+
+
+def _documents(rng, b, t, **kw):
+    """Sorted segment ids, the same for queries and keys (up to 3 documents a row), and kw."""
+    ids = jnp.asarray(np.sort(rng.integers(0, 3, size=(b, t)), axis=1), jnp.int32)
+    return dict(q_segment_ids=ids, kv_segment_ids=ids, **kw)
+
+
 # Each kernel variant (params.h): plain, masked (ragged lengths, or segment ids with a window),
-# soft cap, bias (differentiated, with a boolean mask).
-VARIANTS = ["plain", "lengths", "segments-window", "softcap", "bias-mask"]
-
-
-def _variant_kwargs(variant, rng, b, t, n):
-    lengths = jnp.asarray([t, 171], jnp.int32)
-    segments = jnp.asarray(np.sort(rng.integers(0, 3, size=(b, t)), axis=1), jnp.int32)
-    return {
-        "plain": dict(),
-        "lengths": dict(is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths),
-        "segments-window": dict(q_segment_ids=segments, kv_segment_ids=segments, local_window_size=(100, 30)),
-        "softcap": dict(is_causal=True, softcap=20.0),
-        "bias-mask": dict(bias=jnp.asarray(rng.normal(size=(1, n, t, t)), jnp.float32),
-                          mask=jnp.asarray(rng.random((b, 1, t, t)) < 0.9)),
-    }[variant]  # fmt: skip
+# soft cap, bias (differentiated, with a boolean mask). Drawn only for the variant a case runs.
+VARIANTS = {
+    "plain": lambda rng, b, t, n: dict(),
+    "lengths": lambda rng, b, t, n: dict(is_causal=True, query_seq_lengths=jnp.asarray([t, 171], jnp.int32),
+                                         key_value_seq_lengths=jnp.asarray([t, 171], jnp.int32)),
+    "segments-window": lambda rng, b, t, n: _documents(rng, b, t, local_window_size=(100, 30)),
+    "softcap": lambda rng, b, t, n: dict(is_causal=True, softcap=20.0),
+    "bias-mask": lambda rng, b, t, n: dict(bias=jnp.asarray(rng.normal(size=(1, n, t, t)), jnp.float32),
+                                           mask=jnp.asarray(rng.random((b, 1, t, t)) < 0.9)),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -178,7 +181,7 @@ def test_a_gpu_with_less_shared_memory(monkeypatch, limit, h, kernels, variant):
     q = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.normal(size=(b, t, 2, h)), jnp.bfloat16) for _ in range(2))
     g_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
-    kw = _variant_kwargs(variant, rng, b, t, n)
+    kw = VARIANTS[variant](rng, b, t, n)
     bias = kw.pop("bias", jnp.zeros((), jnp.float32))
     with_bias = variant == "bias-mask"
 
