@@ -173,6 +173,8 @@ def attention(call: Call, strict: bool = False) -> tuple[jax.Array, jax.Array]:
 def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) of a call from the kernels' backward, given an output and lse [B, T, N] that
     need not be this call's own: ring attention passes the final ones of the whole sequence."""
+    if kernel_head_dim(_widest_head_dim(call), BWD_HEAD_DIMS) is None:  # above 256: no backward kernels
+        return xla_impl.backward(call, out, lse, d_out, d_lse)[:3]
     call = mask_as_segments(call)
     padded = kernel_head_dim(_widest_head_dim(call))
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))
