@@ -22,7 +22,7 @@ HEAD_DIMS = {
     "bwd": (32, 64, 96, 128, 256),  # 192 runs the 256 kernels, zero-padded
     "fwd_sm90": (64, 128, 192, 256),  # Hopper (wgmma) forward; the others run the sm80 kernels there
     "bwd_sm90": (64, 128, 256),
-    "fwd_sm90_wide": (384, 512),  # Hopper forward above 256 (no bias or mask; the xla path's backward)
+    "fwd_sm90_wide": (320, 384, 448, 512),  # Hopper forward above 256 (no bias or mask; xla's backward)
     "decode": (32, 64, 96, 128, 192, 256),
 }
 # name -> (value, meaning): constants that both the kernels and the Python layer depend on.

@@ -36,7 +36,7 @@ MASKS = {
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("h", [320, 384, 448, 512])
+@pytest.mark.parametrize("h", [300, 320, 384, 448, 512])
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_forward(dtype, h, mask):
     """T != S and both not multiples of 64 (tails in both), GQA 4 over 2."""

@@ -1,4 +1,4 @@
-// Launcher of the Hopper forward at head dims 384 and 512 (sm90/wide_fwd_kernel.cuh): one CTA a
+// Launcher of the Hopper forward at head dims 320-512 (sm90/wide_fwd_kernel.cuh): one CTA a
 // 64-row query tile of each (batch, head). No synchronisation and no allocation.
 #pragma once
 

@@ -1,12 +1,13 @@
-// The Hopper forward at head dims 384 and 512 (sm90/wide_fwd/config.cuh). One CTA a 64-row query
+// The Hopper forward at head dims 320, 384, 448 and 512 (sm90/wide_fwd/config.cuh). One CTA a 64-row query
 // tile: a producer thread copies Q once, then each key block's K and V (one buffer each: K of
 // block j + 1 loads under P V of block j, V of j + 1 under S of j + 1). Each key block:
 //   1. consumer w computes S for its 32 keys over the whole head dim (wgmma m64n32);
 //   2. cap and band mask; the rows' maxima meet in shared memory (named barrier 1), so that both
 //      consumers rescale with the same maximum;
 //   3. P of its keys to shared memory (the A operand of P V), O rescaled (named barrier 2);
-//   4. O[:, its half] += P (all 64 keys) V[:, its half].
-// At the end the rows' sums meet the same way, each consumer stores its half of O and consumer 0
+//   4. O[:, its panels] += P (all 64 keys) V[:, its panels] (the first half of the 64-column
+//      panels, rounded up, consumer 0's; the rest consumer 1's).
+// At the end the rows' sums meet the same way, each consumer stores its panels of O and consumer 0
 // the log-sum-exp.
 #pragma once
 
@@ -28,65 +29,19 @@
 
 namespace jax_flash::sm90 {
 
-// kVariant: kPlain, kMasked (lengths, segment ids) or kSoftcap; bias and mask run elsewhere.
-template <typename Cfg, Variant kVariant>
-__global__ void __launch_bounds__(Cfg::kThreads, 1)
-    wide_fwd_kernel(const __grid_constant__ WideFwdTensorMaps maps, const FwdParams p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// One consumer warpgroup's part of a tile (the kernel below): S of its 32 keys of each block, and
+// O's kOChunks 64-column panels from first_panel; row_stats: [consumer][max, sum][row] floats in
+// shared memory (Cfg::kRowStats). Every argument by reference or a constant.
+template <typename Cfg, Variant kVariant, int kOChunks>
+__device__ __forceinline__ void consume(const FwdParams& p, const Band& band, const uint32_t& base,
+                                        float* const& row_stats, const int& n_first, const int& blocks,
+                                        const int& q_first, const int& batch, const int& head, const int& consumer,
+                                        const int& first_panel) {
   using T = typename Cfg::T;
-  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kPanels = Cfg::kPanels;
-  constexpr int kHalfKeys = Cfg::kKeysPerConsumer, kOChunks = Cfg::kOChunks;
-  constexpr bool kMasked = kVariant == Variant::kMasked;
-  static_assert(kVariant != Variant::kEverything, "bias and mask take the other kernels");
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHalfKeys = Cfg::kKeysPerConsumer;
   constexpr float kLog2e = 1.4426950408889634f;
   enum : int { kMaxima = 1, kPReady = 2, kSums = 3 };  // named barriers of the two consumers
-
-  extern __shared__ char smem_raw[];
-  const uint32_t base = (ptx::smem_addr(smem_raw) + 1023) & ~1023u;
-  char* const smem = smem_raw + (base - ptx::smem_addr(smem_raw));
   auto barrier = [&](int b) { return base + Cfg::kBarriers + 8 * b; };
-  float* const row_stats = reinterpret_cast<float*>(smem + Cfg::kRowStats);  // [consumer][max, sum][row]
-
-  const int q_first = blockIdx.x * kBlockM;
-  const int batch = batch_head_index() / p.heads, head = batch_head_index() % p.heads;
-  const int kv_head = head / (p.heads / p.kv_heads);
-  const Band band = Band::from<kMasked>(p, batch);
-  const Range keys = band.keys_of(q_first, q_first + kBlockM - 1);
-  const int n_first = keys.begin / kBlockN;
-  const int blocks = keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN - n_first : 0;
-
-  if (threadIdx.x == 0) {
-    ptx::mbarrier_init(barrier(Cfg::kQFull), 1);
-    ptx::mbarrier_init(barrier(Cfg::kKFull), 1);
-    ptx::mbarrier_init(barrier(Cfg::kVFull), 1);
-    ptx::mbarrier_init(barrier(Cfg::kKEmpty), 256);
-    ptx::mbarrier_init(barrier(Cfg::kVEmpty), 256);
-    ptx::fence_barrier_init();
-  }
-  __syncthreads();
-
-  if (threadIdx.x < 128) {  // the producer
-    ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (threadIdx.x != 0 || blocks == 0) return;
-    auto load = [&](const CUtensorMap* map, uint32_t dst, uint32_t full, int row, int head_) {
-      ptx::mbarrier_arrive_expect_tx(full, Cfg::kTileBytes);
-      for (int panel = 0; panel < kPanels; ++panel) {
-        ptx::tma_load_4d(dst + panel * Cfg::kPanelBytes, map, full, panel * 64, head_, row, batch);
-      }
-    };
-    load(&maps.q, base + Cfg::kQ, barrier(Cfg::kQFull), q_first, head);
-    for (int j = 0; j < blocks; ++j) {
-      const int key_first = (n_first + j) * kBlockN;
-      if (j > 0) ptx::mbarrier_wait(barrier(Cfg::kKEmpty), (j - 1) & 1);
-      load(&maps.k, base + Cfg::kK, barrier(Cfg::kKFull), key_first, kv_head);
-      if (j > 0) ptx::mbarrier_wait(barrier(Cfg::kVEmpty), (j - 1) & 1);
-      load(&maps.v, base + Cfg::kV, barrier(Cfg::kVFull), key_first, kv_head);
-    }
-    return;
-  }
-
-  ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
-  const int consumer = threadIdx.x / 128 - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const AccumulatorLayout accum{lane};
   const int rows[2] = {warp * 16 + accum.row(0), warp * 16 + accum.row(2)};  // this thread's, of the tile
@@ -104,7 +59,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const uint64_t q_desc = ptx::smem_desc_sw128(base + Cfg::kQ, 0);
   const uint64_t k_desc = ptx::smem_desc_sw128(base + Cfg::kK + consumer * kHalfKeys * 128, 0);
   const uint64_t p_desc = ptx::smem_desc_sw128(base + Cfg::kP, 0);
-  const uint64_t v_desc = ptx::smem_desc_sw128(base + Cfg::kV + consumer * kOChunks * Cfg::kPanelBytes, Cfg::kPanelBytes);
+  const uint64_t v_desc = ptx::smem_desc_sw128(base + Cfg::kV + first_panel * Cfg::kPanelBytes, Cfg::kPanelBytes);
   if (blocks > 0) ptx::mbarrier_wait(barrier(Cfg::kQFull), 0);
   for (int j = 0; j < blocks; ++j) {
     const int phase = j & 1;
@@ -164,7 +119,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::fence_proxy_async_shared();  // the stores, before wgmma reads them
     ptx::named_barrier_sync(kPReady, 256);
 
-    // 4. O[:, this half] += P V[:, this half]: P K-major (16 keys a step, 32 bytes of its rows),
+    // 4. O[:, its panels] += P V[:, its panels]: P K-major (16 keys a step, 32 bytes of its rows),
     // V MN-major (16 keys a step, 2048 bytes of a panel).
     ptx::mbarrier_wait(barrier(Cfg::kVFull), phase);
     ptx::wgmma_fence();
@@ -182,7 +137,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::mbarrier_arrive(barrier(Cfg::kVEmpty));
   }
 
-  // The rows' sums over both consumers' keys, then O's half and (consumer 0) the lse out.
+  // The rows' sums over both consumers' keys, then O's panels and (consumer 0) the lse out.
   const RowTotal own[2] = {RowTotal(row_sum[0]), RowTotal(row_sum[1])};
   if (lane % 4 == 0) {
     row_stats[(consumer * 2 + 1) * 64 + rows[0]] = own[0].sum;
@@ -190,9 +145,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
   ptx::named_barrier_sync(kSums, 256);
   const int rows_valid = min(kBlockM, p.seqlen_q - q_first);
-  T* const out = static_cast<T*>(p.o) + (int64_t(batch) * p.seqlen_q + q_first) * p.heads * Cfg::kHeadDim +
-                 int64_t(head) * Cfg::kHeadDim + consumer * (Cfg::kHeadDim / 2);
   const int64_t row_stride = int64_t(p.heads) * Cfg::kHeadDim;
+  T* const out = static_cast<T*>(p.o) + (int64_t(batch) * p.seqlen_q + q_first) * row_stride +
+                 int64_t(head) * Cfg::kHeadDim + first_panel * 64;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float sum = own[r].sum + row_stats[((1 - consumer) * 2 + 1) * 64 + rows[r]];
@@ -212,6 +167,70 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             empty ? -INFINITY : row_max[r] * logits.unit + logf(sum);
       }
     }
+  }
+}
+
+// kVariant: kPlain, kMasked (lengths, segment ids) or kSoftcap; bias and mask run elsewhere.
+template <typename Cfg, Variant kVariant>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    wide_fwd_kernel(const __grid_constant__ WideFwdTensorMaps maps, const FwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kPanels = Cfg::kPanels;
+  constexpr bool kMasked = kVariant == Variant::kMasked;
+  static_assert(kVariant != Variant::kEverything, "bias and mask take the other kernels");
+
+  extern __shared__ char smem_raw[];
+  const uint32_t base = (ptx::smem_addr(smem_raw) + 1023) & ~1023u;
+  float* const row_stats = reinterpret_cast<float*>(smem_raw + (base - ptx::smem_addr(smem_raw)) + Cfg::kRowStats);
+  auto barrier = [&](int b) { return base + Cfg::kBarriers + 8 * b; };
+
+  const int q_first = blockIdx.x * kBlockM;
+  const int batch = batch_head_index() / p.heads, head = batch_head_index() % p.heads;
+  const int kv_head = head / (p.heads / p.kv_heads);
+  const Band band = Band::from<kMasked>(p, batch);
+  const Range keys = band.keys_of(q_first, q_first + kBlockM - 1);
+  const int n_first = keys.begin / kBlockN;
+  const int blocks = keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN - n_first : 0;
+
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(barrier(Cfg::kQFull), 1);
+    ptx::mbarrier_init(barrier(Cfg::kKFull), 1);
+    ptx::mbarrier_init(barrier(Cfg::kVFull), 1);
+    ptx::mbarrier_init(barrier(Cfg::kKEmpty), 256);
+    ptx::mbarrier_init(barrier(Cfg::kVEmpty), 256);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {  // the producer
+    ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (threadIdx.x != 0 || blocks == 0) return;
+    auto load = [&](const CUtensorMap* map, uint32_t dst, uint32_t full, int row, int head_) {
+      ptx::mbarrier_arrive_expect_tx(full, Cfg::kTileBytes);
+      for (int panel = 0; panel < kPanels; ++panel) {
+        ptx::tma_load_4d(dst + panel * Cfg::kPanelBytes, map, full, panel * 64, head_, row, batch);
+      }
+    };
+    load(&maps.q, base + Cfg::kQ, barrier(Cfg::kQFull), q_first, head);
+    for (int j = 0; j < blocks; ++j) {
+      const int key_first = (n_first + j) * kBlockN;
+      if (j > 0) ptx::mbarrier_wait(barrier(Cfg::kKEmpty), (j - 1) & 1);
+      load(&maps.k, base + Cfg::kK, barrier(Cfg::kKFull), key_first, kv_head);
+      if (j > 0) ptx::mbarrier_wait(barrier(Cfg::kVEmpty), (j - 1) & 1);
+      load(&maps.v, base + Cfg::kV, barrier(Cfg::kVFull), key_first, kv_head);
+    }
+    return;
+  }
+
+  ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int consumer = threadIdx.x / 128 - 1;
+  // O's panels of each consumer are a constant of its code: consumer 1 has one fewer at 320, 448.
+  if (consumer == 0) {
+    consume<Cfg, kVariant, Cfg::kOChunks0>(p, band, base, row_stats, n_first, blocks, q_first, batch, head, 0, 0);
+  } else {
+    const int first_panel = Cfg::kOChunks0;
+    consume<Cfg, kVariant, Cfg::kOChunks1>(p, band, base, row_stats, n_first, blocks, q_first, batch, head, 1,
+                                           first_panel);
   }
 #endif
 }

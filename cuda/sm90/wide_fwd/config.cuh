@@ -1,7 +1,7 @@
-// The Hopper forward for head dims above 256 (384 and 512; DESIGN.md, "Head dims above 256"):
-// tile shapes, shared-memory layout and register split. A CTA holds 64 query rows; two consumer
-// warpgroups split each key block's S by keys (32 each) and O by columns (half the head dim
-// each: 128 registers at 512), so that O of 64 rows fits the register file.
+// The Hopper forward for head dims above 256 (320, 384, 448, 512; DESIGN.md, "Head dims above
+// 256"): tile shapes, shared-memory layout and register split. A CTA holds 64 query rows; two
+// consumer warpgroups split each key block's S by keys (32 each) and O by 64-column panels (at
+// most 256 columns each: 128 registers), so that O of 64 rows fits the register file.
 #pragma once
 
 #include <cuda.h>
@@ -16,11 +16,13 @@ template <typename T_, int kHeadDim_>
 struct WideFwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
-  static_assert(kHeadDim % 128 == 0 && kHeadDim > 256 && kHeadDim <= 512, "O's halves in whole 64-column panels");
+  static_assert(kHeadDim % 64 == 0 && kHeadDim > 256 && kHeadDim <= 512, "whole 64-column panels");
   static constexpr int kBlockM = 64, kBlockN = 64;
   static constexpr int kKeysPerConsumer = kBlockN / 2;  // S = Q K^T of a block: m64n32 a warpgroup
   static constexpr int kPanels = kHeadDim / 64;         // 64-column panels of 128-byte rows (TMA boxes)
-  static constexpr int kOChunks = kPanels / 2;          // m64n64 accumulators of O a consumer
+  // O's columns by panels: consumer 0 the first kOChunks0 (m64n64 accumulators), consumer 1 the rest
+  // (at 320 and 448 one fewer).
+  static constexpr int kOChunks0 = (kPanels + 1) / 2, kOChunks1 = kPanels / 2;
   static constexpr int kThreads = 384;                  // producer warpgroup, two consumers
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "registers at launch");
