@@ -20,12 +20,9 @@ cudaError_t run_wide_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   const int blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
   if (blocks == 0 || p.batch == 0 || p.heads == 0) return cudaSuccess;
   sm90::WideFwdTensorMaps maps;
-  for (cudaError_t e : {
-           make_tensor_map_bthd(&maps.q, p.q, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
-           make_tensor_map_bthd(&maps.k, p.k, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
-           make_tensor_map_bthd(&maps.v, p.v, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
-       }) {
-    if (e != cudaSuccess) return e;
+  if (cudaError_t e = make_qkv_tensor_maps(p, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, &maps.q, &maps.k, &maps.v);
+      e != cudaSuccess) {
+    return e;
   }
   auto kernel = sm90::wide_fwd_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
