@@ -150,9 +150,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
                  int64_t(head) * Cfg::kHeadDim + first_panel * 64;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float sum = own[r].sum + row_stats[((1 - consumer) * 2 + 1) * 64 + rows[r]];
-    const bool empty = sum == 0.f;  // nothing visible: output 0, lse -inf
-    const float inv = empty ? 0.f : 1.f / sum;
+    const RowTotal total = own[r].plus(row_stats[((1 - consumer) * 2 + 1) * 64 + rows[r]]);
+    const float inv = total.inv();
     if (rows[r] < rows_valid) {
 #pragma unroll
       for (int c = 0; c < kOChunks; ++c)
@@ -164,7 +163,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
         }
       if (consumer == 0 && lane % 4 == 0) {
         p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_first + rows[r]] =
-            empty ? -INFINITY : row_max[r] * logits.unit + logf(sum);
+            total.lse(row_max[r], logits.unit);
       }
     }
   }
