@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from jax_flash import _contract, _decode, _ffi, xla_impl
+from jax_flash import _contract, _decode, _ffi, dense_impl, xla_impl
 from jax_flash._masks import KernelMasks, kernel_masks
 from jax_flash._validation import AttentionConfig, Call
 
@@ -174,7 +174,7 @@ def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, 
     """(dq, dk, dv) of a call from the kernels' backward, given an output and lse [B, T, N] that
     need not be this call's own: ring attention passes the final ones of the whole sequence."""
     if kernel_head_dim(_widest_head_dim(call), BWD_HEAD_DIMS) is None:  # above 256: no backward kernels
-        return xla_impl.backward(call, out, lse, d_out, d_lse)[:3]
+        return _xla_backward(call, out, lse, d_out, d_lse)[:3]
     call = mask_as_segments(call)
     padded = kernel_head_dim(_widest_head_dim(call))
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))
@@ -183,6 +183,11 @@ def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, 
     dq, dk, dv = _flash_bwd(call.config, False, residuals, (d_out, d_lse))[:3]
     head_dim, value_dim = call.query.shape[-1], call.value.shape[-1]
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_dim]
+
+
+def _xla_backward(call: Call, out, lse, d_out, d_lse):
+    """The xla path's backward where no kernel's runs, in the largest blocks memory allows."""
+    return xla_impl.backward(call, out, lse, d_out, d_lse, *dense_impl.backward_blocks(call))
 
 
 def _forward(config: AttentionConfig, q, k, v, bias, mask, masks):
@@ -239,7 +244,7 @@ def _flash_bwd(config: AttentionConfig, strict: bool, residuals, cotangents):
                 "implementation=None takes the xla path's backward there")  # fmt: skip
         d_lse = jnp.zeros((b, t, n), jnp.float32) if isinstance(d_lse, SymbolicZero) else d_lse
         call = Call(q, k, v, bias if bias.size else None, mask if mask.size else None, *masks, config, True)
-        dq, dk, dv, dbias = xla_impl.backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse)
+        dq, dk, dv, dbias = _xla_backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse)
         return dq, dk, dv, dbias if want_dbias else None, *(None,) * 5
     d_lse = jnp.zeros((b, n, 0), jnp.float32) if isinstance(d_lse, SymbolicZero) else d_lse.transpose(0, 2, 1)
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (q, k, v, out, d_out))
