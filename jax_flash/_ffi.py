@@ -115,14 +115,14 @@ def _window_attrs(config) -> dict:
 # the mma.sync kernels elsewhere) or "sm80" (the mma.sync kernels everywhere, so that they stay
 # tested on Hopper).
 KERNELS_ENV = "JAX_FLASH_KERNELS"
-_KERNEL_FAMILIES = {"best": 0, "sm80": 80}
+KERNEL_FAMILIES = {"best": 0, "sm80": 80}
 
 
 def kernel_family() -> int:
     name = os.environ.get(KERNELS_ENV, "best")
-    if name not in _KERNEL_FAMILIES:
-        raise ValueError(f"{KERNELS_ENV} must be one of {sorted(_KERNEL_FAMILIES)}, got {name!r}")
-    return _KERNEL_FAMILIES[name]
+    if name not in KERNEL_FAMILIES:
+        raise ValueError(f"{KERNELS_ENV} must be one of {sorted(KERNEL_FAMILIES)}, got {name!r}")
+    return KERNEL_FAMILIES[name]
 
 
 # Shared memory a block may opt in to, by compute capability (the CUDA programming guide); other

@@ -14,12 +14,14 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from jax_flash import _contract, _decode, _ffi, xla_impl
+from jax_flash import _contract, _decode, _ffi, dense_impl, xla_impl
 from jax_flash._masks import KernelMasks, kernel_masks
 from jax_flash._validation import AttentionConfig, Call
 
 FWD_HEAD_DIMS = _contract.FWD_HEAD_DIMS
 BWD_HEAD_DIMS = _contract.BWD_HEAD_DIMS  # 192 runs the 256 kernels, zero-padded
+# Above 256: the Hopper forward alone (no bias or mask); the gradients from the xla path's backward.
+WIDE_FWD_HEAD_DIMS = _contract.FWD_SM90_WIDE_HEAD_DIMS
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16)
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 # The oldest GPU our kernel families run on: Turing (7.x) lacks their instructions (bf16 mma.sync,
@@ -59,8 +61,11 @@ def unsupported_reason(call: Call) -> str | None:
                 f"this GPU ({major}.{minor}); reinstall with JAX_FLASH_CUDA_ARCHS=native or a list with it")
     if call.query.dtype not in KERNEL_DTYPES:
         return f"the kernels take float16 or bfloat16, got {call.query.dtype}"
-    if kernel_head_dim(_widest_head_dim(call)) is None:
-        return f"head dim {_widest_head_dim(call)} is above the largest supported ({FWD_HEAD_DIMS[-1]})"
+    widest = _widest_head_dim(call)
+    if kernel_head_dim(widest, FWD_HEAD_DIMS + WIDE_FWD_HEAD_DIMS) is None:
+        return f"head dim {widest} is above the largest supported ({WIDE_FWD_HEAD_DIMS[-1]})"
+    if widest > FWD_HEAD_DIMS[-1] and (reason := _wide_reason(call, (major, minor), archs)):
+        return reason
     if call.config.scale <= 0:
         return "the kernels need scale > 0"
     b, n, kv_heads = call.query.shape[0], call.query.shape[2], call.key.shape[2]
@@ -68,6 +73,16 @@ def unsupported_reason(call: Call) -> str | None:
         if not grid_fits(b * heads):
             return (f"batch x heads ({b} x {heads} = {b * heads}) has no split into the CUDA grid's y x z "
                     f"of at most {MAX_GRID_YZ} each")
+    return None
+
+
+def _wide_reason(call: Call, capability: tuple[int, int], archs: tuple[str, ...]) -> str | None:
+    """Why the Hopper forward above head dim 256 cannot run `call`, or None."""
+    widest = _widest_head_dim(call)
+    if capability != (9, 0) or "90a" not in archs or _ffi.kernel_family() != _ffi.KERNEL_FAMILIES["best"]:
+        return f"head dim {widest} above {FWD_HEAD_DIMS[-1]} runs only on the Hopper (sm_90a) kernels"
+    if call.bias is not None or call.mask is not None:
+        return f"head dim {widest} above {FWD_HEAD_DIMS[-1]} runs without a bias or mask in the kernels"
     return None
 
 
@@ -148,7 +163,7 @@ def attention(call: Call, strict: bool = False) -> tuple[jax.Array, jax.Array]:
     (`_ffi.backward_kernels_fit`) from the xla path's backward; `strict` (implementation="cuda")
     raises a ValueError there instead."""
     call = mask_as_segments(call)
-    padded = kernel_head_dim(_widest_head_dim(call))
+    padded = kernel_head_dim(_widest_head_dim(call), FWD_HEAD_DIMS + WIDE_FWD_HEAD_DIMS)
     q, k, v = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value))
     bias, mask = _bias_arrays(call)
     out, lse = _flash(call.config, strict, q, k, v, bias, mask, *_mask_arrays(call))
@@ -158,6 +173,8 @@ def attention(call: Call, strict: bool = False) -> tuple[jax.Array, jax.Array]:
 def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) of a call from the kernels' backward, given an output and lse [B, T, N] that
     need not be this call's own: ring attention passes the final ones of the whole sequence."""
+    if kernel_head_dim(_widest_head_dim(call), BWD_HEAD_DIMS) is None:  # above 256: no backward kernels
+        return _xla_backward(call, out, lse, d_out, d_lse)[:3]
     call = mask_as_segments(call)
     padded = kernel_head_dim(_widest_head_dim(call))
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))
@@ -168,6 +185,11 @@ def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, 
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_dim]
 
 
+def _xla_backward(call: Call, out, lse, d_out, d_lse):
+    """The xla path's backward where no kernel's runs, in the largest blocks memory allows."""
+    return xla_impl.backward(call, out, lse, d_out, d_lse, *dense_impl.backward_blocks(call))
+
+
 def _forward(config: AttentionConfig, q, k, v, bias, mask, masks):
     """(out, lse [B, N, T], the kernels' mask operands), from the decode kernels where they take
     the call (_decode.py), else the forward kernels."""
@@ -175,7 +197,8 @@ def _forward(config: AttentionConfig, q, k, v, bias, mask, masks):
     b, t, n, _ = q.shape
     q_len, kv_len, q_seg, _ = masks
     beyond_key_lengths = bias.size > 0 or mask.size > 0 or q_len is not None or q_seg is not None
-    if _decode.takes(b, t, n, k.shape[2], masks_beyond_key_lengths=beyond_key_lengths):
+    decode_dims = q.shape[-1] in _contract.DECODE_HEAD_DIMS
+    if decode_dims and _decode.takes(b, t, n, k.shape[2], masks_beyond_key_lengths=beyond_key_lengths):
         kv_lengths = jnp.zeros((b, 0), jnp.int32) if kv_len is None else kv_len.astype(jnp.int32)[:, None]
         no_pages = jnp.zeros((b, 0), jnp.int32)
         return *_ffi.decode(config, q, k, v, kv_lengths, no_pages), kernel
@@ -209,7 +232,11 @@ def _flash_bwd(config: AttentionConfig, strict: bool, residuals, cotangents):
     # change no logit and get zero gradients.
     head_dim = q.shape[-1]
     padded = kernel_head_dim(head_dim, BWD_HEAD_DIMS)
-    if not _ffi.backward_kernels_fit(padded):
+    if padded is None or not _ffi.backward_kernels_fit(padded):
+        if strict and padded is None:
+            raise ValueError(
+                f"implementation='cuda' cannot differentiate this call: no backward kernels above head dim "
+                f"{BWD_HEAD_DIMS[-1]} (got {head_dim}); implementation=None takes the xla path's backward there")
         if strict:
             raise ValueError(
                 f"implementation='cuda' cannot differentiate this call: the backward kernels at head dim {padded} "
@@ -217,7 +244,7 @@ def _flash_bwd(config: AttentionConfig, strict: bool, residuals, cotangents):
                 "implementation=None takes the xla path's backward there")  # fmt: skip
         d_lse = jnp.zeros((b, t, n), jnp.float32) if isinstance(d_lse, SymbolicZero) else d_lse
         call = Call(q, k, v, bias if bias.size else None, mask if mask.size else None, *masks, config, True)
-        dq, dk, dv, dbias = xla_impl.backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse)
+        dq, dk, dv, dbias = _xla_backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse)
         return dq, dk, dv, dbias if want_dbias else None, *(None,) * 5
     d_lse = jnp.zeros((b, n, 0), jnp.float32) if isinstance(d_lse, SymbolicZero) else d_lse.transpose(0, 2, 1)
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (q, k, v, out, d_out))

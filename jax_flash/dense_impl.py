@@ -45,6 +45,29 @@ def fits(call: Call) -> bool:
     return score_bytes(call) <= budget_bytes()
 
 
+# A banded call's backward skips the key blocks outside its band, so its blocks stay square.
+BANDED_BACKWARD_BLOCK = 2048
+
+
+def backward_blocks(call: Call) -> tuple[int, int]:
+    """(block_q, block_k) for the blockwise backward on a GPU: as large as the memory budget lets
+    one block's float32 scores be, since XLA runs large products near the dense formulation's
+    speed (H100, d = 512, 8k, bf16: 512 x 512 blocks 133 TFLOP/s, 4096 queries x every key 384,
+    jax.nn's dense backward 413; causal, 2048 x 2048: 191 against 92). Every key in one block
+    unless the call is banded (causal, windows); the default blocks where the budget allows
+    fewer rows than theirs."""
+    b, t, n, _ = call.query.shape
+    s = call.key.shape[1]
+    banded = call.config.window_left is not None or call.config.window_right is not None
+    block_k = min(s, BANDED_BACKWARD_BLOCK) if banded else s
+    fitting_rows = budget_bytes() // (4 * b * n * max(block_k, 1))
+    if fitting_rows < min(t, xla_impl.DEFAULT_BLOCK_Q):
+        return xla_impl.DEFAULT_BLOCK_Q, xla_impl.DEFAULT_BLOCK_K
+    rows = min(fitting_rows, BANDED_BACKWARD_BLOCK if banded else t)
+    blocks = -(-t // rows)  # equal blocks of at most `rows`: T is padded by under 8 a block
+    return xla_impl._round_up(-(-t // blocks), 8), max(block_k, 8)
+
+
 def _per_batch_row(call: Call) -> bool:
     """Whether visibility differs between batch rows (lengths, segment ids)."""
     return any(x is not None for x in (call.query_seq_lengths, call.key_value_seq_lengths, call.q_segment_ids))

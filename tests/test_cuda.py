@@ -238,8 +238,8 @@ def test_cuda_raises_on_what_it_cannot_run():
     q, k, v = qkv(rng_for("raise"), jnp.float32, 1, 16, 16, 2, 2, 64)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         jax_flash.attention(q, k, v, implementation="cuda")
-    with pytest.raises(ValueError, match="head dim 320"):
-        q = jnp.zeros((1, 16, 2, 320), jnp.bfloat16)
+    with pytest.raises(ValueError, match="head dim 576 is above the largest supported"):
+        q = jnp.zeros((1, 16, 2, 576), jnp.bfloat16)
         jax_flash.attention(q, q, q, implementation="cuda")
 
 

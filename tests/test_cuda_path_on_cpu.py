@@ -334,3 +334,39 @@ def test_a_backward_beyond_the_gpus_shared_memory_takes_the_xla_path(kernel_call
     assert "jax_flash_fwd" in targets and "jax_flash_bwd" not in targets
     with pytest.raises(ValueError, match="cannot differentiate this call.*shared memory"):
         jax.grad(_loss("cuda", kw), argnums)(*args)
+
+
+@pytest.mark.parametrize("h,padded", [(300, 320), (512, 512)])
+def test_head_dims_above_256_take_the_forward_kernel_and_the_xla_backward(kernel_calls, h, padded):
+    """Above 256 (Hopper only): the forward kernel at a multiple of 64 (zero-padded), the gradients from
+    the xla path's backward on its residuals; implementation="cuda" cannot differentiate."""
+    rng = rng_for("cuda-path-wide", h)
+    q, k, v = qkv(rng, jnp.bfloat16, 2, 40, 56, 4, 2, h)
+    kw = {"is_causal": True}
+    out = jax_flash.attention(q, k, v, implementation="cuda", **kw)
+    assert reference.rel_error(out, jax_flash.attention(q, k, v, implementation="xla", **kw)) < 1e-2
+    (target, shapes), *_ = kernel_calls
+    assert target == "jax_flash_fwd" and shapes[0] == (2, 40, 4, padded)
+    grads = jax.grad(_loss(None, kw), (0, 1, 2))(q, k, v)
+    for mine, ref in zip(grads, jax.grad(_loss("xla", kw), (0, 1, 2))(q, k, v), strict=True):
+        assert mine.shape == ref.shape and reference.rel_error(mine, ref) < 2e-2
+    assert "jax_flash_bwd" not in [target for target, _ in kernel_calls]
+    with pytest.raises(ValueError, match="no backward kernels above head dim 256"):
+        jax.grad(_loss("cuda", kw), (0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("ampere", "runs only on the Hopper"), ("sm80 kernels", "runs only on the Hopper"),
+    ("bias", "without a bias or mask"), ("576", "head dim 576 is above the largest supported \\(512\\)"),
+])  # fmt: skip
+def test_head_dims_above_256_elsewhere_take_the_other_paths(kernel_calls, monkeypatch, case, reason):
+    h = 576 if case == "576" else 320
+    q = jnp.zeros((1, 16, 2, h), jnp.bfloat16)
+    bias = jnp.zeros((1, 2, 16, 16), jnp.float32) if case == "bias" else None
+    if case == "ampere":
+        monkeypatch.setattr(_ffi, "device_capability", lambda: (8, 0))
+    if case == "sm80 kernels":
+        monkeypatch.setenv(_ffi.KERNELS_ENV, "sm80")
+    assert jax_flash.chosen_implementation(q, q, q, bias=bias).startswith("xla")
+    with pytest.raises(ValueError, match=reason):
+        jax_flash.attention(q, q, q, bias, implementation="cuda")

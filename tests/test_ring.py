@@ -61,11 +61,13 @@ def test_ring_matches_single_device(is_causal, heads):
         np.testing.assert_allclose(mine, theirs, rtol=2e-4, atol=2e-5, err_msg=f"d{name}")
 
 
-def test_ring_on_the_kernel_path(monkeypatch):
+@pytest.mark.parametrize("h", [32, 320])
+def test_ring_on_the_kernel_path(monkeypatch, h):
     """The ring's CUDA branch (kernel calls inside shard_map, their results' varying axes, the
-    backward from the whole sequence's lse) on CPU, with a pure-JAX stand-in for the kernels."""
+    backward from the whole sequence's lse) on CPU, with a pure-JAX stand-in for the kernels; at
+    320 the forward kernel and the xla path's backward."""
     fake_kernels.install(monkeypatch)
-    q, k, v = qkv(rng_for("ring-kernel-path"), jnp.bfloat16, 2, 64, 64, 4, 2, 32)
+    q, k, v = qkv(rng_for("ring-kernel-path", h), jnp.bfloat16, 2, 64, 64, 4, 2, h)
     ring = _ring_fn(_mesh(), True, implementation="cuda")
     zig, unzig = (lambda x: jax_flash.zigzag(x, RING)), (lambda x: jax_flash.unzigzag(x, RING))  # noqa: E731
     ring_loss = lambda q, k, v: jnp.sum(unzig(ring(zig(q), zig(k), zig(v))).astype(jnp.float32) ** 2)  # noqa: E731

@@ -131,6 +131,42 @@ def test_dense_below_the_budget_blockwise_above(monkeypatch):
     np.testing.assert_allclose(attn(q, k, v), dense_out, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("t,s,causal,budget_rows,blocks", [
+    (8192, 8192, False, 8192, (8192, 8192)),  # the whole scores fit: one block
+    (8192, 8192, False, 4096, (4096, 8192)),  # every key, as many rows as fit
+    (5000, 8192, False, 4096, (2504, 8192)),  # equal blocks, T padded by under 8 a block
+    (8192, 8192, True, 8192, (2048, 2048)),  # banded: square blocks, key blocks outside skipped
+    (300, 8192, False, 300, (304, 8192)),  # fewer rows than the default block, all of them
+    (8192, 8192, False, 511, (512, 512)),  # the budget allows fewer rows than a default block
+])  # fmt: skip
+def test_backward_blocks_fill_the_budget(monkeypatch, t, s, causal, budget_rows, blocks):
+    """The backward the kernel path takes where no kernel's runs (head dims above 256) uses blocks
+    of float32 scores as large as the budget (B x N x rows x keys x 4 bytes)."""
+    b, n = 1, 8
+    q, k = jnp.zeros((b, t, n, 8), jnp.bfloat16), jnp.zeros((b, s, n, 8), jnp.bfloat16)
+    block_k = min(s, 2048) if causal else s
+    monkeypatch.setattr(dense_impl, "budget_bytes", lambda: 4 * b * n * budget_rows * block_k)
+    call = validate(q, k, k, None, None, **{**_NO_OPTIONS, "is_causal": causal})
+    assert dense_impl.backward_blocks(call) == blocks
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_in_budget_blocks_matches_small_blocks(monkeypatch, causal):
+    """The backward in the budget's blocks (one block of every key, or square banded ones) gives
+    the gradients of the default blockwise one."""
+    monkeypatch.setattr(dense_impl, "budget_bytes", lambda: 2**30)
+    rng = rng_for("budget-blocks", causal)
+    q, k, v = qkv(rng, jnp.float64, 2, 100, 130, 4, 2, 16)
+    out_grad = jnp.asarray(rng.standard_normal((2, 100, 4, 16)))
+    call = validate(q, k, v, None, None, **{**_NO_OPTIONS, "is_causal": causal})
+    out, lse = xla_impl.attention(call, block_q=16, block_k=16)
+    small = xla_impl.backward(call, out, lse, out_grad, jnp.zeros_like(lse), 16, 16)
+    assert dense_impl.backward_blocks(call)[0] >= 100
+    large = xla_impl.backward(call, out, lse, out_grad, jnp.zeros_like(lse), *dense_impl.backward_blocks(call))
+    for a, b in zip(small[:3], large[:3], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
 _NO_OPTIONS = dict(scale=None, is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                    local_window_size=None, implementation="xla", return_residual=False, softcap=None,
                    q_segment_ids=None, kv_segment_ids=None)  # fmt: skip

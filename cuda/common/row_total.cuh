@@ -16,6 +16,14 @@ struct RowTotal {
     sum += __shfl_xor_sync(0xffffffff, sum, 2);
     empty = sum == 0.f;
   }
+  // The whole row from this part and another's sum (the wide forward's consumers each sum half
+  // of a block's keys).
+  __device__ __forceinline__ RowTotal plus(const float& other_sum) const {
+    RowTotal whole = *this;
+    whole.sum += other_sum;
+    whole.empty = whole.sum == 0.f;
+    return whole;
+  }
   __device__ __forceinline__ float inv() const { return empty ? 0.f : 1.f / sum; }
   // max: the row's maximum in units of `unit` (the logits' scale, or the soft cap).
   __device__ __forceinline__ float lse(const float& max, const float& unit) const {

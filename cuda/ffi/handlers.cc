@@ -185,7 +185,7 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   DType dtype;
   if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p); e.failure()) return e;
   if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, &p); e.failure()) return e;
-  if (!fwd_supports_head_dim(p.head_dim)) {
+  if (!fwd_supports_head_dim(p.head_dim) && !fwd_sm90_wide_supports_head_dim(p.head_dim)) {
     return ffi::Error::InvalidArgument("jax_flash: no forward kernel for head dim " +
                                        std::to_string(p.head_dim));
   }

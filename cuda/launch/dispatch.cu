@@ -48,8 +48,22 @@ cudaError_t by_variant(const FwdParams& p, Fn&& fn) {
   return fn(std::integral_constant<Variant, Variant::kPlain>{});
 }
 
+// Head dims above 256: the Hopper forward only, without a bias or mask.
+template <typename T, Variant kVariant>
+cudaError_t wide_fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
+  if constexpr (kVariant == Variant::kEverything) {
+    return cudaErrorInvalidValue;
+  } else {
+    if (!use_sm90(family)) return cudaErrorInvalidValue;
+    return for_head_dim(contract::FwdSm90WideHeadDims{}, p.head_dim, [&](auto d) {
+      return run_wide_fwd_sm90<T, decltype(d)::value, kVariant>(p, stream);
+    });
+  }
+}
+
 template <typename T, Variant kVariant>
 cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
+  if (fwd_sm90_wide_supports_head_dim(p.head_dim)) return wide_fwd_for<T, kVariant>(p, family, stream);
   const bool sm90 = use_sm90(family) && fwd_sm90_supports_head_dim(p.head_dim);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;

@@ -48,12 +48,9 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   sm90::FwdTensorMaps maps;
-  for (cudaError_t e : {
-           make_tensor_map_bthd(&maps.q, p.q, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
-           make_tensor_map_bthd(&maps.k, p.k, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
-           make_tensor_map_bthd(&maps.v, p.v, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
-       }) {
-    if (e != cudaSuccess) return e;
+  if (cudaError_t e = make_qkv_tensor_maps(p, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, &maps.q, &maps.k, &maps.v);
+      e != cudaSuccess) {
+    return e;
   }
   if constexpr (Cfg::kStagedStore) {
     if (cudaError_t e = make_tensor_map_bthd(&maps.o, p.o, p.batch, p.seqlen_q, p.heads, kHeadDim, 64);
