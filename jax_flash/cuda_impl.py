@@ -81,8 +81,9 @@ def _wide_reason(call: Call, capability: tuple[int, int], archs: tuple[str, ...]
     widest = _widest_head_dim(call)
     if capability != (9, 0) or "90a" not in archs or _ffi.kernel_family() != _ffi.KERNEL_FAMILIES["best"]:
         return f"head dim {widest} above {FWD_HEAD_DIMS[-1]} runs only on the Hopper (sm_90a) kernels"
-    if call.bias is not None or call.mask is not None:
-        return f"head dim {widest} above {FWD_HEAD_DIMS[-1]} runs without a bias or mask in the kernels"
+    if call.bias is not None or (call.mask is not None and not mask_runs_as_segments(call)):
+        return (f"head dim {widest} above {FWD_HEAD_DIMS[-1]} runs without a bias, or a mask that varies along "
+                "both queries and keys, in the kernels (a mask along one of them runs as segment ids)")
     return None
 
 
@@ -130,17 +131,22 @@ def mask_as_segments(call: Call) -> Call:
     logit (a mask runs the bias kernels, whose backward takes only whole [T, S] rows on Hopper).
     Left as it is when the call has segment ids of its own."""
     mask, b, t, s = call.mask, call.query.shape[0], call.query.shape[1], call.key.shape[1]
-    if mask is None or call.q_segment_ids is not None or mask.shape[1] != 1:
+    if not mask_runs_as_segments(call):
         return call
     # Segment 0 where the mask attends, 1 where it hides, one row a batch row.
     segments_of = lambda m, length: jnp.broadcast_to(jnp.where(m, 0, 1).astype(jnp.int32), (b, length))  # noqa: E731
     if mask.shape[2] == 1:  # along the keys (or neither)
         q_segments, kv_segments = jnp.zeros((b, t), jnp.int32), segments_of(mask[:, 0, 0, :], s)
-    elif mask.shape[3] == 1:
-        q_segments, kv_segments = segments_of(mask[:, 0, :, 0], t), jnp.zeros((b, s), jnp.int32)
     else:
-        return call
+        q_segments, kv_segments = segments_of(mask[:, 0, :, 0], t), jnp.zeros((b, s), jnp.int32)
     return dataclasses.replace(call, mask=None, q_segment_ids=q_segments, kv_segment_ids=kv_segments)
+
+
+def mask_runs_as_segments(call: Call) -> bool:
+    """Whether `mask_as_segments` turns the call's mask into segment ids (from shapes alone)."""
+    mask = call.mask
+    along_one_axis = mask is not None and mask.shape[1] == 1 and (mask.shape[2] == 1 or mask.shape[3] == 1)
+    return along_one_axis and call.q_segment_ids is None
 
 
 def _mask_arrays(call: Call) -> tuple:

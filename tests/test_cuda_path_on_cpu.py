@@ -357,16 +357,37 @@ def test_head_dims_above_256_take_the_forward_kernel_and_the_xla_backward(kernel
 
 @pytest.mark.parametrize("case,reason", [
     ("ampere", "runs only on the Hopper"), ("sm80 kernels", "runs only on the Hopper"),
-    ("bias", "without a bias or mask"), ("576", "head dim 576 is above the largest supported \\(512\\)"),
+    ("bias", "without a bias"), ("mask over queries and keys", "a mask that varies along both queries and keys"),
+    ("576", "head dim 576 is above the largest supported \\(512\\)"),
 ])  # fmt: skip
 def test_head_dims_above_256_elsewhere_take_the_other_paths(kernel_calls, monkeypatch, case, reason):
     h = 576 if case == "576" else 320
     q = jnp.zeros((1, 16, 2, h), jnp.bfloat16)
     bias = jnp.zeros((1, 2, 16, 16), jnp.float32) if case == "bias" else None
+    mask = jnp.tril(jnp.ones((16, 16), bool))[None, None] if case == "mask over queries and keys" else None
     if case == "ampere":
         monkeypatch.setattr(_ffi, "device_capability", lambda: (8, 0))
     if case == "sm80 kernels":
         monkeypatch.setenv(_ffi.KERNELS_ENV, "sm80")
-    assert jax_flash.chosen_implementation(q, q, q, bias=bias).startswith("xla")
+    assert jax_flash.chosen_implementation(q, q, q, bias=bias, mask=mask).startswith("xla")
     with pytest.raises(ValueError, match=reason):
-        jax_flash.attention(q, q, q, bias, implementation="cuda")
+        jax_flash.attention(q, q, q, bias, mask, implementation="cuda")
+
+
+@pytest.mark.parametrize("axis", ["keys", "queries"])
+def test_head_dims_above_256_run_a_one_axis_mask_as_segments(kernel_calls, axis):
+    """A padding mask (along the keys alone, or the queries alone) reaches the wide forward kernel
+    as segment ids, with the xla path's values and gradients."""
+    rng = rng_for("cuda-path-wide-mask", axis)
+    q, k, v = qkv(rng, jnp.bfloat16, 2, 40, 56, 4, 2, 320)
+    shape = (2, 1, 1, 56) if axis == "keys" else (2, 1, 40, 1)
+    mask = jnp.asarray(rng.random(shape) > 0.3)
+    out = jax_flash.attention(q, k, v, mask=mask, implementation="cuda")
+    assert reference.rel_error(out, jax_flash.attention(q, k, v, mask=mask, implementation="xla")) < 1e-2
+    (target, shapes), *_ = kernel_calls
+    assert target == "jax_flash_fwd" and shapes[0] == (2, 40, 4, 320)
+    assert jax_flash.chosen_implementation(q, k, v, mask=mask) == "cuda"
+    kw = {"mask": mask}
+    grads = jax.grad(_loss(None, kw), (0, 1, 2))(q, k, v)
+    for mine, ref in zip(grads, jax.grad(_loss("xla", kw), (0, 1, 2))(q, k, v), strict=True):
+        assert reference.rel_error(mine, ref) < 2e-2

@@ -1,7 +1,7 @@
 """Head dims above 256 on the Hopper forward kernel (sm90/wide_fwd_kernel.cuh, marked `gpu`): the
-forward against the float64 reference and the xla path, with every mask but a bias; the gradients
-of auto mode (the xla path's backward on the kernel's residuals) against float64, and
-implementation="cuda" refusing to differentiate."""
+forward against the float64 reference and the xla path, with every mask but a bias and a mask
+over both queries and keys; the gradients of auto mode (the xla path's backward on the kernel's
+residuals) against float64, and implementation="cuda" refusing to differentiate."""
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,8 @@ MASKS = {
     "segments": lambda b, t, s, rng: dict(zip(("q_segment_ids", "kv_segment_ids"), (
         jnp.asarray(np.sort(rng.integers(0, 3, size=(b, n))), jnp.int32) for n in (t, s)))),
     "softcap_causal": lambda b, t, s, rng: {"softcap": 20.0, "is_causal": True},
+    # A mask along one axis runs as segment ids (cuda_impl.mask_as_segments).
+    "padding_mask": lambda b, t, s, rng: {"mask": jnp.asarray(rng.random((b, 1, 1, s)) > 0.3)},
 }  # fmt: skip
 
 
@@ -92,7 +94,7 @@ def test_a_bias_above_256_takes_the_xla_path():
     q = k = v = jnp.ones((1, 64, 2, 320), jnp.bfloat16)
     bias = jnp.zeros((1, 2, 64, 64), jnp.float32)
     assert jax_flash.chosen_implementation(q, k, v, bias=bias) != "cuda"
-    with pytest.raises(ValueError, match="without a bias or mask"):
+    with pytest.raises(ValueError, match="without a bias"):
         jax_flash.attention(q, k, v, bias=bias, implementation="cuda")
 
 
