@@ -218,8 +218,8 @@ def _fwd_scratch_size(batch: int, seqlen_q: int, heads: int) -> int:
 
 
 def forward(config, q, k, v, masks: KernelMasks, bias, mask):
-    """(out [B, T, N, H], lse [B, N, T] float32) from the forward kernel, given the operands of
-    `bias_operand` and `mask_operand`; under vmap, one call with the mapped axis folded into the
+    """(out [B, T, N, Hv], lse [B, N, T] float32) from the forward kernel (Hv: v's head dim), given
+    the operands of `bias_operand` and `mask_operand`; under vmap, one call with the mapped axis folded into the
     batch or the heads (_batching.py)."""
     register_targets()
     attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()))
@@ -228,7 +228,7 @@ def forward(config, q, k, v, masks: KernelMasks, bias, mask):
         def kernel(q, k, v, bias, mask, *masks):
             b, t, n, _ = q.shape
             result_types = (
-                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, t, n, v.shape[-1]), q.dtype),
                 jax.ShapeDtypeStruct((b, n, t), jnp.float32),
                 jax.ShapeDtypeStruct((_fwd_scratch_size(b, t, n),), jnp.int32),  # the sm90 forward's tile scratch
             )

@@ -22,6 +22,8 @@ FWD_HEAD_DIMS = _contract.FWD_HEAD_DIMS
 BWD_HEAD_DIMS = _contract.BWD_HEAD_DIMS  # 192 runs the 256 kernels, zero-padded
 # Above 256: the Hopper forward alone (no bias or mask); the gradients from the xla path's backward.
 WIDE_FWD_HEAD_DIMS = _contract.FWD_SM90_WIDE_HEAD_DIMS
+# (query/key, value) head dims with a forward kernel of their own (Hopper; no bias or mask).
+UNEQUAL_FWD_HEAD_DIMS = _contract.FWD_SM90_UNEQUAL_HEAD_DIMS
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16)
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 # The oldest GPU our kernel families run on: Turing (7.x) lacks their instructions (bf16 mma.sync,
@@ -118,6 +120,31 @@ def _widest_head_dim(call: Call) -> int:
     return max(call.query.shape[-1], call.value.shape[-1])
 
 
+def forward_head_dims(call: Call) -> tuple[int, int]:
+    """The (query/key, value) head dims of the forward kernel that runs `call`, each side
+    zero-padded up to them: a pair with a kernel of its own (UNEQUAL_FWD_HEAD_DIMS) where the
+    Hopper kernels run and the call has no bias and no mask over both axes, and is no decode call
+    (the decode kernels, at the wider dim, read the cache faster), else the widest's kernel for both."""
+    h, hv = call.query.shape[-1], call.value.shape[-1]
+    widest = kernel_head_dim(_widest_head_dim(call), FWD_HEAD_DIMS + WIDE_FWD_HEAD_DIMS)
+    if hv < h:
+        pair = (kernel_head_dim(h), kernel_head_dim(hv))
+        hopper = _ffi.device_capability() == (9, 0) and "90a" in _ffi.built_archs()
+        best = _ffi.kernel_family() == _ffi.KERNEL_FAMILIES["best"]
+        no_bias = call.bias is None and (call.mask is None or mask_runs_as_segments(call))
+        if pair in UNEQUAL_FWD_HEAD_DIMS and hopper and best and no_bias and not _runs_decode(call, widest):
+            return pair
+    return widest, widest
+
+
+def _runs_decode(call: Call, head_dim: int) -> bool:
+    """Whether `_forward` gives `call`, padded to equal `head_dim`s, to the decode kernels."""
+    b, t, n, _ = call.query.shape
+    beyond_key_lengths = any(x is not None for x in (call.bias, call.mask, call.query_seq_lengths, call.q_segment_ids))
+    takes = _decode.takes(b, t, n, call.key.shape[2], masks_beyond_key_lengths=beyond_key_lengths)
+    return head_dim in _contract.DECODE_HEAD_DIMS and takes
+
+
 def _pad_head_dim(x, size: int):
     pad = size - x.shape[-1]
     return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
@@ -168,9 +195,9 @@ def attention(call: Call, strict: bool = False) -> tuple[jax.Array, jax.Array]:
     the backward kernels, or where this GPU's shared memory is too small for them
     (`_ffi.backward_kernels_fit`) from the xla path's backward; `strict` (implementation="cuda")
     raises a ValueError there instead."""
+    head_dim, value_dim = forward_head_dims(call)
     call = mask_as_segments(call)
-    padded = kernel_head_dim(_widest_head_dim(call), FWD_HEAD_DIMS + WIDE_FWD_HEAD_DIMS)
-    q, k, v = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value))
+    q, k, v = _pad_head_dim(call.query, head_dim), _pad_head_dim(call.key, head_dim), _pad_head_dim(call.value, value_dim)
     bias, mask = _bias_arrays(call)
     out, lse = _flash(call.config, strict, q, k, v, bias, mask, *_mask_arrays(call))
     return out[..., : call.value.shape[-1]], lse
@@ -203,7 +230,7 @@ def _forward(config: AttentionConfig, q, k, v, bias, mask, masks):
     b, t, n, _ = q.shape
     q_len, kv_len, q_seg, _ = masks
     beyond_key_lengths = bias.size > 0 or mask.size > 0 or q_len is not None or q_seg is not None
-    decode_dims = q.shape[-1] in _contract.DECODE_HEAD_DIMS
+    decode_dims = q.shape[-1] in _contract.DECODE_HEAD_DIMS and v.shape[-1] == q.shape[-1]
     if decode_dims and _decode.takes(b, t, n, k.shape[2], masks_beyond_key_lengths=beyond_key_lengths):
         kv_lengths = jnp.zeros((b, 0), jnp.int32) if kv_len is None else kv_len.astype(jnp.int32)[:, None]
         no_pages = jnp.zeros((b, 0), jnp.int32)
@@ -235,8 +262,9 @@ def _flash_bwd(config: AttentionConfig, strict: bool, residuals, cotangents):
     d_out = jnp.zeros(d_out.shape, d_out.dtype) if isinstance(d_out, SymbolicZero) else d_out
     b, t, n, _ = q.shape
     # A head dim without backward kernels (192) takes the next one up, zero-padded: zero columns
-    # change no logit and get zero gradients.
-    head_dim = q.shape[-1]
+    # change no logit and get zero gradients. A narrower V (its own forward kernel: 192 / 128) is
+    # padded to the query head dim's kernels too.
+    head_dim, dims = q.shape[-1], (q.shape[-1], k.shape[-1], v.shape[-1])
     padded = kernel_head_dim(head_dim, BWD_HEAD_DIMS)
     if padded is None or not _ffi.backward_kernels_fit(padded):
         if strict and padded is None:
@@ -256,7 +284,7 @@ def _flash_bwd(config: AttentionConfig, strict: bool, residuals, cotangents):
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (q, k, v, out, d_out))
     *grads, dbias = _ffi.backward(config, q, k, v, out, lse, d_out, d_lse, kernel, bias, mask, want_dbias)
     dbias = dbias.astype(bias.dtype) if want_dbias else None
-    return tuple(g[..., :head_dim] for g in grads) + (dbias,) + (None,) * 5
+    return tuple(g[..., :dim] for g, dim in zip(grads, dims, strict=True)) + (dbias,) + (None,) * 5
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)

@@ -25,6 +25,11 @@ HEAD_DIMS = {
     "fwd_sm90_wide": (320, 384, 448, 512),  # Hopper forward above 256 (no bias or mask; xla's backward)
     "decode": (32, 64, 96, 128, 192, 256),
 }
+# (query/key head dim, value head dim) pairs with kernels of their own; other unequal pairs are
+# zero-padded to equal dims by the Python layer.
+HEAD_DIM_PAIRS = {
+    "fwd_sm90_unequal": ((192, 128),),  # Hopper forward (no bias or mask); the backward pads V
+}
 # name -> (value, meaning): constants that both the kernels and the Python layer depend on.
 CONSTANTS = {
     "MASK_CHUNK": (64, "queries or keys summarised by one MaskChunk of the segment ids"),
@@ -45,6 +50,9 @@ KERNELS = {  # (kernel, arch) -> (launcher header, launcher, params, head dims, 
     ("bwd", "sm90"): ("launch/run_sm90.cuh", "run_bwd_sm90", "BwdParams", HEAD_DIMS["bwd_sm90"], VARIANTS),
     ("fwd_wide", "sm90"): ("launch/run_sm90_wide_fwd.cuh", "run_wide_fwd_sm90", "FwdParams",
                            HEAD_DIMS["fwd_sm90_wide"], {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}),
+    ("fwd_unequal", "sm90"): ("launch/run_sm90.cuh", "run_unequal_fwd_sm90", "FwdParams",
+                              HEAD_DIM_PAIRS["fwd_sm90_unequal"],
+                              {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}),
     # Decode reads key lengths always, never segment ids or a bias: two variants.
     ("decode", "sm80"): ("launch/run_decode.cuh", "run_decode", "DecodeParams", HEAD_DIMS["decode"],
                          {"": "kMasked", "_softcap": "kSoftcap"}),
@@ -73,6 +81,13 @@ def contract_header() -> str:
         camel = _camel(family)[1:]
         lines += [f"using {camel}HeadDims = std::integer_sequence<int, {', '.join(map(str, dims))}>;",
                   f"constexpr bool {family}_supports_head_dim(int d) {{ return {' || '.join(f'd == {d}' for d in dims)}; }}"]
+    for family, pairs in HEAD_DIM_PAIRS.items():
+        camel = _camel(family)[1:]
+        flat = ", ".join(f"{h}, {v}" for h, v in pairs)
+        test = " || ".join(f"(h == {h} && v == {v})" for h, v in pairs)
+        lines += [f"// (head dim, value head dim) pairs, flattened.",
+                  f"using {camel}HeadDims = std::integer_sequence<int, {flat}>;",
+                  f"constexpr bool {family}_supports_head_dims(int h, int v) {{ return {test}; }}"]
     lines += ["", "// One segment-chunk summary (jax_flash/_masks.py writes them, common/mask.cuh reads them).",
               f"struct MaskChunk {{", f"  int {', '.join(MASK_CHUNK_FIELDS)};", "};",
               f"inline constexpr int kMaskChunkFields = {len(MASK_CHUNK_FIELDS)};",
@@ -86,6 +101,8 @@ def contract_module() -> str:
              'kernels (cuda/generated/contract.h, written from the same lists) and this package both assume."""', ""]
     for family, dims in HEAD_DIMS.items():
         lines.append(f"{family.upper()}_HEAD_DIMS = {tuple(dims)!r}")
+    for family, pairs in HEAD_DIM_PAIRS.items():
+        lines.append(f"{family.upper()}_HEAD_DIMS = {tuple(pairs)!r}  # (head dim, value head dim)")
     lines.append("")
     for name, (value, meaning) in CONSTANTS.items():
         lines.append(f"{name} = {value}  # {meaning}")
@@ -98,10 +115,13 @@ def expected_files() -> dict[str, str]:
     for (kernel, arch), (header, launcher, params, head_dims, suffixes) in KERNELS.items():
         for dtype, ctype in DTYPES.items():
             for head_dim in head_dims:
+                # A pair (head dim, value head dim) names both: hdim192v128, template arguments 192, 128.
+                dims = f"{head_dim[0]}v{head_dim[1]}" if isinstance(head_dim, tuple) else head_dim
+                arguments = ", ".join(map(str, head_dim)) if isinstance(head_dim, tuple) else head_dim
                 for suffix in suffixes:
                     variant = suffixes[suffix]
-                    name = f"{kernel}_{arch}_{dtype}_hdim{head_dim}{suffix}.cu"
-                    files[name] = TEMPLATE.format(header=header, launcher=launcher, ctype=ctype, head_dim=head_dim,
+                    name = f"{kernel}_{arch}_{dtype}_hdim{dims}{suffix}.cu"
+                    files[name] = TEMPLATE.format(header=header, launcher=launcher, ctype=ctype, head_dim=arguments,
                                                   variant=variant, params=params)
     return files
 

@@ -391,3 +391,44 @@ def test_head_dims_above_256_run_a_one_axis_mask_as_segments(kernel_calls, axis)
     grads = jax.grad(_loss(None, kw), (0, 1, 2))(q, k, v)
     for mine, ref in zip(grads, jax.grad(_loss("xla", kw), (0, 1, 2))(q, k, v), strict=True):
         assert reference.rel_error(mine, ref) < 2e-2
+
+
+@pytest.mark.parametrize("case,forward_dims", [
+    ("192/128", (192, 128)),  # the pair's own forward kernel
+    ("160/100", (192, 128)),  # padded up to the pair
+    ("padding mask", (192, 128)),  # runs as segment ids
+    ("bias", (192, 192)),  # no bias in the pair's kernel: V padded to the query head dim
+    ("sm80 kernels", (192, 192)),
+    ("decode", (192, 192)),  # the decode kernels at the wider dim
+])  # fmt: skip
+def test_unequal_head_dims_take_their_own_forward_kernel(kernel_calls, monkeypatch, case, forward_dims):
+    """(192, 128) has a Hopper forward of its own (V and O of 128 columns); the backward pads V to
+    the query head dim's kernels (256). Values and gradients match the xla path's."""
+    h, hv = (160, 100) if case == "160/100" else (192, 128)
+    t = 2 if case == "decode" else 40
+    rng = rng_for("cuda-path-unequal", case)
+    q, k, _ = qkv(rng, jnp.bfloat16, 2, t, 56, 4, 2, h)
+    v = jnp.asarray(rng.normal(size=(2, 56, 2, hv)), jnp.bfloat16)
+    kw = {"is_causal": True}
+    if case == "padding mask":
+        kw["mask"] = jnp.asarray(rng.random((2, 1, 1, 56)) > 0.3)
+    if case == "bias":
+        kw["bias"] = jnp.asarray(rng.normal(size=(1, 4, t, 56)), jnp.float32)
+    if case == "sm80 kernels":
+        monkeypatch.setenv(_ffi.KERNELS_ENV, "sm80")
+    if case == "decode":  # the fixture turns the decode kernels off
+        monkeypatch.delenv(_decode.DECODE_ENV)
+        monkeypatch.setattr(_decode, "sm_count", lambda: 132)
+    out = jax_flash.attention(q, k, v, implementation="cuda", **kw)
+    assert out.shape == (2, t, 4, hv)
+    assert reference.rel_error(out, jax_flash.attention(q, k, v, implementation="xla", **kw)) < 1e-2
+    (target, shapes), *_ = kernel_calls
+    assert target == ("jax_flash_decode" if case == "decode" else "jax_flash_fwd")
+    assert (shapes[0][-1], shapes[2][-1]) == forward_dims
+    if case == "decode":
+        return
+    grads = jax.grad(_loss(None, kw), (0, 1, 2))(q, k, v)
+    for mine, ref in zip(grads, jax.grad(_loss("xla", kw), (0, 1, 2))(q, k, v), strict=True):
+        assert mine.shape == ref.shape and reference.rel_error(mine, ref) < 2e-2
+    bwd_shapes = dict(kernel_calls)["jax_flash_bwd"]
+    assert (bwd_shapes[0][-1], bwd_shapes[2][-1]) == (256, 256)

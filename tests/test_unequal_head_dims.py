@@ -1,7 +1,8 @@
 """A value head dim Hv other than the query/key head dim H (DeepSeek's MLA: 192 and 128), which
 jax.nn.dot_product_attention refuses: on CPU, the xla path (dense and blockwise) and the CUDA
 path's plumbing through the stand-in for the kernels (which run it at the wider dim, the other
-side zero-padded), forward and gradients against the float64 reference, with the masks."""
+side zero-padded, but for (192, 128)'s forward of its own), forward and gradients against the
+float64 reference, with the masks."""
 
 import jax
 import jax.numpy as jnp

@@ -60,6 +60,7 @@ struct FwdParams {
   // The sm90 forward's scratch (FwdScratch), owned by XLA.
   int* tile_scratch;
   int64_t tile_scratch_size;  // elements
+  int value_dim;  // V's and O's head dim: head_dim, except in the unequal-dims forward
 };
 
 // The layout of the sm90 forward's int32 scratch, for a kernel of `tiles` tiles: the persistent

@@ -27,8 +27,9 @@ std::string shape_string(ffi::AnyBuffer::Dimensions dims) {
 // Fills the shape fields of `p` from q [B, T, N, H] and k/v [B, S, K, H], checking what the
 // Python layer guarantees, so that a misuse of the raw target fails cleanly.
 // `key_batch`: the keys' first axis when it is not the batch (a paged pool), else -1.
+// `value_dim_may_differ`: v's head dim may differ from k's (the forward; it checks the pair).
 ffi::Error fill_shapes(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, DType* dtype,
-                       FwdParams* p, int64_t key_batch = -1) {
+                       FwdParams* p, int64_t key_batch = -1, bool value_dim_may_differ = false) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
     return ffi::Error::InvalidArgument("jax_flash: q, k, v must be rank 4 (BTNH), got " +
@@ -44,7 +45,9 @@ ffi::Error fill_shapes(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, DTy
     default: return ffi::Error::InvalidArgument("jax_flash: kernels take float16 or bfloat16");
   }
   for (size_t i = 0; i < 4; ++i) {
-    if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("jax_flash: k and v shapes differ");
+    if (kd[i] != vd[i] && !(i == 3 && value_dim_may_differ)) {
+      return ffi::Error::InvalidArgument("jax_flash: k and v shapes differ");
+    }
   }
   if (kd[0] != (key_batch < 0 ? qd[0] : key_batch) || kd[3] != qd[3] || kd[2] == 0 || qd[2] % kd[2] != 0) {
     return ffi::Error::InvalidArgument("jax_flash: incompatible q " + shape_string(qd) +
@@ -57,6 +60,7 @@ ffi::Error fill_shapes(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, DTy
   p->seqlen_q = static_cast<int>(qd[1]);
   p->heads = static_cast<int>(qd[2]);
   p->head_dim = static_cast<int>(qd[3]);
+  p->value_dim = static_cast<int>(vd[3]);
   p->seqlen_k = static_cast<int>(kd[1]);
   p->kv_heads = static_cast<int>(kd[2]);
   return ffi::Error::Success();
@@ -183,11 +187,12 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     int32_t window_left, int32_t window_right, int32_t kernels) {
   FwdParams p{};
   DType dtype;
-  if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p); e.failure()) return e;
+  if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p, -1, /*value_dim_may_differ=*/true); e.failure()) return e;
   if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, &p); e.failure()) return e;
-  if (!fwd_supports_head_dim(p.head_dim) && !fwd_sm90_wide_supports_head_dim(p.head_dim)) {
-    return ffi::Error::InvalidArgument("jax_flash: no forward kernel for head dim " +
-                                       std::to_string(p.head_dim));
+  if (p.value_dim != p.head_dim ? !fwd_sm90_unequal_supports_head_dims(p.head_dim, p.value_dim)
+                                : !fwd_supports_head_dim(p.head_dim) && !fwd_sm90_wide_supports_head_dim(p.head_dim)) {
+    return ffi::Error::InvalidArgument("jax_flash: no forward kernel for head dims " + std::to_string(p.head_dim) +
+                                       " (query, key) and " + std::to_string(p.value_dim) + " (value)");
   }
   if (ffi::Error e = fill_masks(seqlens, q_segments, kv_segments, q_chunks, kv_chunks, &p); e.failure()) return e;
   if (ffi::Error e = fill_bias(bias, mask, q.element_type(), &p); e.failure()) return e;

@@ -21,6 +21,18 @@ cudaError_t for_head_dim(std::integer_sequence<int, kDims...>, int head_dim, Fn&
   return status;
 }
 
+// fn(integral_constant h, integral_constant v) for the pair (h, v) of `pairs` (flattened: h0, v0,
+// h1, v1, ...) equal to (head_dim, value_dim).
+template <int kH, int kV, int... kRest, typename Fn>
+cudaError_t for_head_dim_pair(std::integer_sequence<int, kH, kV, kRest...>, int head_dim, int value_dim, Fn&& fn) {
+  if (head_dim == kH && value_dim == kV) return fn(std::integral_constant<int, kH>{}, std::integral_constant<int, kV>{});
+  if constexpr (sizeof...(kRest) > 0) {
+    return for_head_dim_pair(std::integer_sequence<int, kRest...>{}, head_dim, value_dim, fn);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+}
+
 // Every forward head dim; the backward's and the Hopper kernels' are subsets (contract.h).
 template <typename Fn>
 cudaError_t by_head_dim(int head_dim, Fn&& fn) {
@@ -61,8 +73,22 @@ cudaError_t wide_fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t s
   }
 }
 
+// Unequal query and value head dims: the Hopper forward only, without a bias or mask.
+template <typename T, Variant kVariant>
+cudaError_t unequal_fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
+  if constexpr (kVariant == Variant::kEverything) {
+    return cudaErrorInvalidValue;
+  } else {
+    if (!use_sm90(family)) return cudaErrorInvalidValue;
+    return for_head_dim_pair(contract::FwdSm90UnequalHeadDims{}, p.head_dim, p.value_dim, [&](auto h, auto v) {
+      return run_unequal_fwd_sm90<T, decltype(h)::value, decltype(v)::value, kVariant>(p, stream);
+    });
+  }
+}
+
 template <typename T, Variant kVariant>
 cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
+  if (p.value_dim != p.head_dim) return unequal_fwd_for<T, kVariant>(p, family, stream);
   if (fwd_sm90_wide_supports_head_dim(p.head_dim)) return wide_fwd_for<T, kVariant>(p, family, stream);
   const bool sm90 = use_sm90(family) && fwd_sm90_supports_head_dim(p.head_dim);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {

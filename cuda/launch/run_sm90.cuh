@@ -48,12 +48,12 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   sm90::FwdTensorMaps maps;
-  if (cudaError_t e = make_qkv_tensor_maps(p, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, &maps.q, &maps.k, &maps.v);
+  if (cudaError_t e = make_qkv_tensor_maps(p, kHeadDim, Cfg::kValueDim, Cfg::kBlockM, Cfg::kBlockN, &maps.q, &maps.k, &maps.v);
       e != cudaSuccess) {
     return e;
   }
   if constexpr (Cfg::kStagedStore) {
-    if (cudaError_t e = make_tensor_map_bthd(&maps.o, p.o, p.batch, p.seqlen_q, p.heads, kHeadDim, 64);
+    if (cudaError_t e = make_tensor_map_bthd(&maps.o, p.o, p.batch, p.seqlen_q, p.heads, Cfg::kValueDim, 64);
         e != cudaSuccess) {
       return e;
     }
@@ -116,6 +116,13 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
     }
   }
   return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim>, kVariant>(p, stream);
+}
+
+// Unequal head dims (query/key kHeadDim, value kValueDim < kHeadDim; DESIGN.md, "Unequal head
+// dims"): the plain tiles of kHeadDim, with V's stages and O of kValueDim columns.
+template <typename T, int kHeadDim, int kValueDim, Variant kVariant>
+cudaError_t run_unequal_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+  return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 2, false, false, kValueDim>, kVariant>(p, stream);
 }
 
 // The tensor maps of the backward kernels: q and dO in boxes of Cfg::kBlockM rows, k and v of

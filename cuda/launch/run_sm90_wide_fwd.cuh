@@ -20,7 +20,7 @@ cudaError_t run_wide_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   const int blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
   if (blocks == 0 || p.batch == 0 || p.heads == 0) return cudaSuccess;
   sm90::WideFwdTensorMaps maps;
-  if (cudaError_t e = make_qkv_tensor_maps(p, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, &maps.q, &maps.k, &maps.v);
+  if (cudaError_t e = make_qkv_tensor_maps(p, kHeadDim, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, &maps.q, &maps.k, &maps.v);
       e != cudaSuccess) {
     return e;
   }

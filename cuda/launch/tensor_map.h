@@ -21,9 +21,10 @@ cudaError_t make_tensor_map_bthd(CUtensorMap* map, const void* data, int batch, 
 cudaError_t make_tensor_map_bnts(CUtensorMap* map, const void* data, int elem_bytes, int batch, int heads, int rows,
                                  int keys, int box_rows);
 
-// The maps of a forward call's Q (boxes of q_rows rows), K and V (kv_rows rows).
-inline cudaError_t make_qkv_tensor_maps(const FwdParams& p, int head_dim, int q_rows, int kv_rows, CUtensorMap* q,
-                                        CUtensorMap* k, CUtensorMap* v) {
+// The maps of a forward call's Q (boxes of q_rows rows), K and V (kv_rows rows); V of value_dim
+// columns, Q and K of head_dim.
+inline cudaError_t make_qkv_tensor_maps(const FwdParams& p, int head_dim, int value_dim, int q_rows, int kv_rows,
+                                        CUtensorMap* q, CUtensorMap* k, CUtensorMap* v) {
   if (cudaError_t e = make_tensor_map_bthd(q, p.q, p.batch, p.seqlen_q, p.heads, head_dim, q_rows); e != cudaSuccess) {
     return e;
   }
@@ -31,7 +32,7 @@ inline cudaError_t make_qkv_tensor_maps(const FwdParams& p, int head_dim, int q_
       e != cudaSuccess) {
     return e;
   }
-  return make_tensor_map_bthd(v, p.v, p.batch, p.seqlen_k, p.kv_heads, head_dim, kv_rows);
+  return make_tensor_map_bthd(v, p.v, p.batch, p.seqlen_k, p.kv_heads, value_dim, kv_rows);
 }
 
 }  // namespace jax_flash

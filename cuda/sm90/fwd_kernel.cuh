@@ -219,8 +219,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       store_o_staged_tile<Cfg>(shared, &maps.o, t.head, q_first, t.batch, o, inv, stage, consumer_uniform, barrier,
                                staged_tiles, staged_stage, tid, warp, lane);
     } else {
-      const int64_t row_stride = int64_t(p.heads) * kHeadDim;
-      T* gO = static_cast<T*>(p.o) + (int64_t(t.batch) * p.seqlen_q + q_first) * row_stride + t.head * kHeadDim;
+      const int64_t row_stride = int64_t(p.heads) * Cfg::kValueDim;
+      T* gO = static_cast<T*>(p.o) + (int64_t(t.batch) * p.seqlen_q + q_first) * row_stride + t.head * Cfg::kValueDim;
       const int rows[2] = {row_in_tile(0), row_in_tile(1)};
       store_o<Cfg>(gO, row_stride, rows_valid, o, inv, rows, lane);
     }

@@ -16,17 +16,23 @@ namespace jax_flash::sm90 {
 // fill the shared memory. The launcher says where they pay (run_sm90.cuh).
 // kBiasTiles (kBias): the bias and mask staged by TMA a key block at a time (fwd_bias_tiles.cuh),
 // at H = 128 in a region that takes the third K/V stage's place.
-template <typename T_, int kHeadDim_, int kConsumers_ = 2, bool kWideBlocks = false, bool kBiasTiles = false>
+// kValueDim_: V's and O's head dim where it differs from Q's and K's (MLA's 192 / 128): V's stages
+// and O's accumulators take its columns, S and the tiles' shapes are the query head dim's.
+template <typename T_, int kHeadDim_, int kConsumers_ = 2, bool kWideBlocks = false, bool kBiasTiles = false,
+          int kValueDim_ = kHeadDim_>
 struct FwdConfig {
   using T = T_;
-  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDim = kHeadDim_, kValueDim = kValueDim_;
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "whole 64-column panels");
+  static_assert(kValueDim % 64 == 0 && kValueDim <= kHeadDim, "V's panels fit where Q's do");
+  static_assert(kValueDim == kHeadDim || (!kWideBlocks && !kBiasTiles), "unequal head dims: the plain tiles");
   static constexpr int kConsumers = kConsumers_;
   static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64), "registers for three at H = 64 only");
   static constexpr int kBlockM = 64 * kConsumers;
-  // S (64 x kBlockN fp32 per warp group) and O (64 x H) share a consumer's 232 registers.
+  // S (64 x kBlockN fp32 per warp group) and O (64 x kValueDim) share a consumer's 232 registers:
+  // 128 keys where O has at most 128 columns (Q and K of 192 columns still fit two stages).
   static_assert(!kWideBlocks || kHeadDim == 128 || kHeadDim == 256, "wide blocks at H = 128 and 256");
-  static constexpr int kBlockN = kHeadDim <= 128 ? (kWideBlocks ? 176 : 128) : (kWideBlocks ? 80 : 64);
+  static constexpr int kBlockN = kValueDim <= 128 ? (kWideBlocks ? 176 : 128) : (kWideBlocks ? 80 : 64);
   // K/V stages: three at H = 128 (225 KB; H4), two elsewhere (all that fits at H = 256; four were
   // slower at H = 64, H4).
   static constexpr int kStages = kHeadDim == 128 && !kWideBlocks && !kBiasTiles ? 3 : 2;
@@ -42,19 +48,20 @@ struct FwdConfig {
   // whole block (as a causal one does); in the same kernels only (slower at d = 64, H18).
   static constexpr bool kWindowEdgeLast = kStages >= 3;
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kPanels = kHeadDim / 64;
+  static constexpr int kPanels = kHeadDim / 64, kVPanels = kValueDim / 64;  // of Q and K / of V and O
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V tile
+  static constexpr int kKBytes = kBlockN * kHeadDim * 2, kVBytes = kBlockN * kValueDim * 2;  // one K / V tile
   // Barriers: q_full, q_empty, four per stage, last_s_landed (the staged O store), with bias tiles
   // two "full" and two "empty"; then, 16-byte aligned, three slots of 48 bytes holding a tile's
   // work (FwdWork::store).
   static constexpr int kSlotsOffset = (8 * (3 + 4 * kStages + (kBiasTiles ? 4 : 0)) + 15) / 16 * 16;
   static constexpr int kBarrierBytes = kSlotsOffset + 3 * 48;
   // + 1024: the dynamic shared memory is aligned up to the 1024 bytes the swizzle repeats over.
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kBiasRegionBytes + kBarrierBytes + 1024;
+  static constexpr int kSmemBytes =
+      kQBytes + kStages * (kKBytes + kVBytes) + kBiasRegionBytes + kBarrierBytes + 1024;
   // O is computed in chunks of at most 128 columns (one wgmma n128 each; n64 at H = 192).
-  static constexpr int kOChunkCols = kHeadDim < 128 ? kHeadDim : kHeadDim % 128 == 0 ? 128 : 64;
-  static constexpr int kOChunks = kHeadDim / kOChunkCols;
+  static constexpr int kOChunkCols = kValueDim < 128 ? kValueDim : kValueDim % 128 == 0 ? 128 : 64;
+  static constexpr int kOChunks = kValueDim / kOChunkCols;
   static constexpr int kProducerRegs = kConsumers == 3 ? 32 : 40;
   static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 232;
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= ptx::launch_registers(kThreads),

@@ -51,7 +51,7 @@ __device__ __forceinline__ void store_o(typename Cfg::T* out, int64_t row_stride
     const int row = rows[r];
     uint4* out_row = reinterpret_cast<uint4*>(out + row * row_stride);
 #pragma unroll
-    for (int group = 0; group < Cfg::kHeadDim / 32; ++group) {
+    for (int group = 0; group < Cfg::kValueDim / 32; ++group) {
       uint32_t pairs[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -80,7 +80,7 @@ __device__ __forceinline__ void store_o_staged(const CUtensorMap* map, int head,
   const uint32_t lane_addr = staging + (warp * 16 + (m % 2) * 8 + i) * 128;
   const uint32_t lane_bits = ((m / 2) ^ i) * 16;
 #pragma unroll
-  for (int g = 0; g < Cfg::kHeadDim / 16; ++g) {
+  for (int g = 0; g < Cfg::kValueDim / 16; ++g) {
     uint32_t r[4];
 #pragma unroll
     for (int mm = 0; mm < 4; ++mm) {
@@ -92,7 +92,7 @@ __device__ __forceinline__ void store_o_staged(const CUtensorMap* map, int head,
   ptx::fence_proxy_async_shared();
   ptx::named_barrier_sync(store_barrier, 128);
   if (tid == 0) {
-    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+    for (int panel = 0; panel < Cfg::kVPanels; ++panel) {
       ptx::tma_store_4d(map, staging + panel * 64 * 128, panel * 64, head, first_row, batch);
     }
     ptx::tma_store_commit();
@@ -111,7 +111,7 @@ __device__ __forceinline__ void store_o_staged_tile(const SharedMemory& shared, 
                                                     const int& consumer_uniform, const int& barrier, int& staged_tiles,
                                                     int& staged_stage, const int& tid, const int& warp,
                                                     const int& lane) {
-  const uint32_t staging = shared.k(stage) + consumer_uniform * Cfg::kPanels * 64 * 128;
+  const uint32_t staging = shared.k(stage) + consumer_uniform * Cfg::kVPanels * 64 * 128;
   ptx::mbarrier_wait(shared.last_s_landed(), staged_tiles & 1);
   ++staged_tiles;
   store_o_staged<Cfg>(map, head, q_first + consumer_uniform * 64, batch, o, inv, staging, barrier, tid, warp, lane);

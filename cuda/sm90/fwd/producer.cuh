@@ -26,22 +26,26 @@ struct FwdProducer {
   const FwdParams& p;
   const FwdSharedMemory<Cfg>& shared;
 
-  // The copies of one key block (keys from key_first of kv head `kv_head`) into stage use `it`.
+  // The copies of one key block (keys from key_first of kv head `kv_head`, kPanels 64-column
+  // panels) into stage use `it`.
+  template <int kPanels>
   __device__ __forceinline__ void load_kv(uint32_t full, uint32_t empty, uint32_t dst, const CUtensorMap* map, int it,
                                           int kv_head, int key_first, int batch) const {
     if (it >= kStages) ptx::mbarrier_wait(empty, (it / kStages - 1) & 1);
-    ptx::mbarrier_arrive_expect_tx(full, Cfg::kKVBytes);
-    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+    ptx::mbarrier_arrive_expect_tx(full, kPanels * Cfg::kBlockN * 128);
+    for (int panel = 0; panel < kPanels; ++panel) {
       ptx::tma_load_4d(dst + panel * Cfg::kBlockN * 128, map, full, panel * 64, kv_head, key_first, batch);
     }
   }
   __device__ __forceinline__ void load_k(int it, int kv_head, int key_first, int batch) const {
     const int stage = it % kStages;
-    load_kv(shared.k_full(stage), shared.k_empty(stage), shared.k(stage), &maps.k, it, kv_head, key_first, batch);
+    load_kv<Cfg::kPanels>(shared.k_full(stage), shared.k_empty(stage), shared.k(stage), &maps.k, it, kv_head, key_first,
+                          batch);
   }
   __device__ __forceinline__ void load_v(int it, int kv_head, int key_first, int batch) const {
     const int stage = it % kStages;
-    load_kv(shared.v_full(stage), shared.v_empty(stage), shared.v(stage), &maps.v, it, kv_head, key_first, batch);
+    load_kv<Cfg::kVPanels>(shared.v_full(stage), shared.v_empty(stage), shared.v(stage), &maps.v, it, kv_head,
+                           key_first, batch);
   }
   // With kBiasTiles, key block `it`'s tiles of the bias and mask, after its V.
   __device__ __forceinline__ void load_bias(int it, const Work& w, int key_first) const {

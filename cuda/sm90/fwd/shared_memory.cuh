@@ -19,13 +19,15 @@ struct FwdSharedMemory {
 
   __device__ __forceinline__ static FwdSharedMemory of(char* smem) {
     const uint32_t q = (ptx::smem_addr(smem) + 1023) & ~1023u;
-    return {smem, q, q + Cfg::kQBytes + 2 * kStages * Cfg::kKVBytes + Cfg::kBiasRegionBytes};
+    return {smem, q, q + Cfg::kQBytes + kStages * (Cfg::kKBytes + Cfg::kVBytes) + Cfg::kBiasRegionBytes};
   }
-  __device__ __forceinline__ uint32_t k(int stage) const { return q + Cfg::kQBytes + stage * Cfg::kKVBytes; }
+  __device__ __forceinline__ uint32_t k(int stage) const { return q + Cfg::kQBytes + stage * Cfg::kKBytes; }
   __device__ __forceinline__ uint32_t v(int stage) const {
-    return q + Cfg::kQBytes + (kStages + stage) * Cfg::kKVBytes;
+    return q + Cfg::kQBytes + kStages * Cfg::kKBytes + stage * Cfg::kVBytes;
   }
-  __device__ __forceinline__ uint32_t bias_region() const { return q + Cfg::kQBytes + 2 * kStages * Cfg::kKVBytes; }
+  __device__ __forceinline__ uint32_t bias_region() const {
+    return q + Cfg::kQBytes + kStages * (Cfg::kKBytes + Cfg::kVBytes);
+  }
 
   // Q loaded (the producer's one arrival with its bytes) / free again (every consumer thread).
   __device__ __forceinline__ uint32_t q_full() const { return bars; }

@@ -1,0 +1,69 @@
+"""Unequal query/key and value head dims on the GPU (marked `gpu`): the Hopper forward of its own at
+(192, 128) (V and O of 128 columns) against the float64 reference, with every mask but a bias, and
+the gradients (the backward kernels at 256, V zero-padded) in auto mode."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_flash
+from jax_flash import _ffi
+from tests import reference
+from tests.cases import rng_for
+from tests.test_cuda import FWD_TOL, GRAD_TOL, poison_free_memory
+from tests.test_cuda_wide import MASKS
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper_or_skip():
+    if _ffi.device_capability() != (9, 0):
+        pytest.skip("the (192, 128) forward runs on Hopper only")
+
+
+def _problem(rng, dtype, h=192, hv=128, b=2, t=200, s=300):
+    """T != S and neither a multiple of the tiles; GQA 4 over 2."""
+    q = jnp.asarray(rng.normal(size=(b, t, 4, h)), dtype)
+    k = jnp.asarray(rng.normal(size=(b, s, 2, h)), dtype)
+    v = jnp.asarray(rng.normal(size=(b, s, 2, hv)), dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_forward(monkeypatch, dtype, mask):
+    _hopper_or_skip()
+    calls, call_kernel = [], _ffi.call_kernel  # (target, q's and v's head dims) of each kernel call
+    monkeypatch.setattr(_ffi, "call_kernel", lambda target, *args: calls.append(
+        (target, args[1][0].shape[-1], args[1][2].shape[-1])) or call_kernel(target, *args))  # fmt: skip
+    rng = rng_for("cuda-unequal", dtype, mask)
+    s = 200 if mask == "segments" else 300
+    q, k, v = _problem(rng, dtype, s=s)
+    kw = MASKS[mask](2, 200, s, rng)
+    attend = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation="cuda", return_residual=True, **kw))
+    attend.lower(q, k, v)
+    assert calls and set(calls) == {("jax_flash_fwd", 192, 128)}  # V not padded
+    poison_free_memory()
+    out, lse = attend(q, k, v)
+    ref_out, ref_lse = reference.attention(q, k, v, **kw)
+    assert out.dtype == dtype and out.shape == (2, 200, 4, 128)
+    assert reference.rel_error(out, ref_out) < FWD_TOL
+    assert reference.rel_error(lse, ref_lse) < 1e-4
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "segments"])
+def test_gradients(mask):
+    _hopper_or_skip()
+    rng = rng_for("cuda-unequal-grad", mask)
+    q, k, v = _problem(rng, jnp.bfloat16, t=150, s=150 if mask == "segments" else 170)
+    kw = MASKS[mask](2, 150, k.shape[1], rng)
+    g_out = jnp.asarray(rng.normal(size=q.shape[:3] + (128,)), jnp.float32)
+
+    def loss(attend, q, k, v):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * g_out)
+
+    grads = jax.jit(jax.grad(lambda *a: loss(lambda q, k, v: jax_flash.attention(q, k, v, **kw), *a),
+                             argnums=(0, 1, 2)))(q, k, v)  # fmt: skip
+    ref = jax.grad(lambda *a: loss(lambda q, k, v: reference.attention(q, k, v, **kw)[0], *a), argnums=(0, 1, 2))(q, k, v)
+    for mine, want in zip(grads, ref, strict=True):
+        assert mine.shape == want.shape and reference.rel_error(mine, want) < GRAD_TOL
