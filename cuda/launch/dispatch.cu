@@ -60,36 +60,30 @@ cudaError_t by_variant(const FwdParams& p, Fn&& fn) {
   return fn(std::integral_constant<Variant, Variant::kPlain>{});
 }
 
-// Head dims above 256: the Hopper forward only, without a bias or mask.
+// The forwards that run only on Hopper, without a bias or mask: head dims above 256, and unequal
+// query/key and value head dims.
 template <typename T, Variant kVariant>
-cudaError_t wide_fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
+cudaError_t hopper_only_fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
   if constexpr (kVariant == Variant::kEverything) {
     return cudaErrorInvalidValue;
   } else {
     if (!use_sm90(family)) return cudaErrorInvalidValue;
+    if (p.value_dim != p.head_dim) {
+      return for_head_dim_pair(contract::FwdSm90UnequalHeadDims{}, p.head_dim, p.value_dim, [&](auto h, auto v) {
+        return run_unequal_fwd_sm90<T, decltype(h)::value, decltype(v)::value, kVariant>(p, stream);
+      });
+    }
     return for_head_dim(contract::FwdSm90WideHeadDims{}, p.head_dim, [&](auto d) {
       return run_wide_fwd_sm90<T, decltype(d)::value, kVariant>(p, stream);
     });
   }
 }
 
-// Unequal query and value head dims: the Hopper forward only, without a bias or mask.
-template <typename T, Variant kVariant>
-cudaError_t unequal_fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
-  if constexpr (kVariant == Variant::kEverything) {
-    return cudaErrorInvalidValue;
-  } else {
-    if (!use_sm90(family)) return cudaErrorInvalidValue;
-    return for_head_dim_pair(contract::FwdSm90UnequalHeadDims{}, p.head_dim, p.value_dim, [&](auto h, auto v) {
-      return run_unequal_fwd_sm90<T, decltype(h)::value, decltype(v)::value, kVariant>(p, stream);
-    });
-  }
-}
-
 template <typename T, Variant kVariant>
 cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
-  if (p.value_dim != p.head_dim) return unequal_fwd_for<T, kVariant>(p, family, stream);
-  if (fwd_sm90_wide_supports_head_dim(p.head_dim)) return wide_fwd_for<T, kVariant>(p, family, stream);
+  if (p.value_dim != p.head_dim || fwd_sm90_wide_supports_head_dim(p.head_dim)) {
+    return hopper_only_fwd_for<T, kVariant>(p, family, stream);
+  }
   const bool sm90 = use_sm90(family) && fwd_sm90_supports_head_dim(p.head_dim);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
