@@ -219,8 +219,8 @@ def _fwd_scratch_size(batch: int, seqlen_q: int, heads: int) -> int:
 
 def forward(config, q, k, v, masks: KernelMasks, bias, mask):
     """(out [B, T, N, Hv], lse [B, N, T] float32) from the forward kernel (Hv: v's head dim), given
-    the operands of `bias_operand` and `mask_operand`; under vmap, one call with the mapped axis folded into the
-    batch or the heads (_batching.py)."""
+    the operands of `bias_operand` and `mask_operand`; under vmap, one call with the mapped axis
+    folded into the batch or the heads (_batching.py)."""
     register_targets()
     attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()))
 

@@ -81,12 +81,24 @@ def unsupported_reason(call: Call) -> str | None:
 def _wide_reason(call: Call, capability: tuple[int, int], archs: tuple[str, ...]) -> str | None:
     """Why the Hopper forward above head dim 256 cannot run `call`, or None."""
     widest = _widest_head_dim(call)
-    if capability != (9, 0) or "90a" not in archs or _ffi.kernel_family() != _ffi.KERNEL_FAMILIES["best"]:
+    if not _hopper_kernels_run(capability, archs):
         return f"head dim {widest} above {FWD_HEAD_DIMS[-1]} runs only on the Hopper (sm_90a) kernels"
-    if call.bias is not None or (call.mask is not None and not mask_runs_as_segments(call)):
+    if not _no_bias_or_2d_mask(call):
         return (f"head dim {widest} above {FWD_HEAD_DIMS[-1]} runs without a bias, or a mask that varies along "
                 "both queries and keys, in the kernels (a mask along one of them runs as segment ids)")
     return None
+
+
+def _hopper_kernels_run(capability: tuple[int, int], archs: tuple[str, ...]) -> bool:
+    """Whether the Hopper-only forwards (above 256, unequal head dims) can run: a 9.0 GPU, sm_90a
+    code built, and the kernel family not forced to sm80."""
+    return capability == (9, 0) and "90a" in archs and _ffi.kernel_family() == _ffi.KERNEL_FAMILIES["best"]
+
+
+def _no_bias_or_2d_mask(call: Call) -> bool:
+    """No bias, and no mask but one along one axis (which runs as segment ids): what the Hopper-only
+    forwards take."""
+    return call.bias is None and (call.mask is None or mask_runs_as_segments(call))
 
 
 def paged_reason(call: Call, page_size: int) -> str | None:
@@ -129,20 +141,21 @@ def forward_head_dims(call: Call) -> tuple[int, int]:
     widest = kernel_head_dim(_widest_head_dim(call), FWD_HEAD_DIMS + WIDE_FWD_HEAD_DIMS)
     if hv < h:
         pair = (kernel_head_dim(h), kernel_head_dim(hv))
-        hopper = _ffi.device_capability() == (9, 0) and "90a" in _ffi.built_archs()
-        best = _ffi.kernel_family() == _ffi.KERNEL_FAMILIES["best"]
-        no_bias = call.bias is None and (call.mask is None or mask_runs_as_segments(call))
-        if pair in UNEQUAL_FWD_HEAD_DIMS and hopper and best and no_bias and not _runs_decode(call, widest):
+        hopper = _hopper_kernels_run(_ffi.device_capability(), _ffi.built_archs())
+        masks = (call.bias, call.mask, call.query_seq_lengths, call.q_segment_ids)
+        beyond_key_lengths = any(x is not None for x in masks)
+        decode = _runs_decode(call.query.shape[:3] + (widest,), call.key.shape[2], widest, beyond_key_lengths)
+        if pair in UNEQUAL_FWD_HEAD_DIMS and hopper and _no_bias_or_2d_mask(call) and not decode:
             return pair
     return widest, widest
 
 
-def _runs_decode(call: Call, head_dim: int) -> bool:
-    """Whether `_forward` gives `call`, padded to equal `head_dim`s, to the decode kernels."""
-    b, t, n, _ = call.query.shape
-    beyond_key_lengths = any(x is not None for x in (call.bias, call.mask, call.query_seq_lengths, call.q_segment_ids))
-    takes = _decode.takes(b, t, n, call.key.shape[2], masks_beyond_key_lengths=beyond_key_lengths)
-    return head_dim in _contract.DECODE_HEAD_DIMS and takes
+def _runs_decode(query_shape: tuple, kv_heads: int, value_dim: int, beyond_key_lengths: bool) -> bool:
+    """Whether a call of these (padded) shapes runs on the decode kernels: equal head dims with
+    decode kernels, and a shape and masks that `_decode.takes`."""
+    b, t, n, h = query_shape
+    decode_dims = h in _contract.DECODE_HEAD_DIMS and value_dim == h
+    return decode_dims and _decode.takes(b, t, n, kv_heads, masks_beyond_key_lengths=beyond_key_lengths)
 
 
 def _pad_head_dim(x, size: int):
@@ -197,7 +210,8 @@ def attention(call: Call, strict: bool = False) -> tuple[jax.Array, jax.Array]:
     raises a ValueError there instead."""
     head_dim, value_dim = forward_head_dims(call)
     call = mask_as_segments(call)
-    q, k, v = _pad_head_dim(call.query, head_dim), _pad_head_dim(call.key, head_dim), _pad_head_dim(call.value, value_dim)
+    q, k = _pad_head_dim(call.query, head_dim), _pad_head_dim(call.key, head_dim)
+    v = _pad_head_dim(call.value, value_dim)
     bias, mask = _bias_arrays(call)
     out, lse = _flash(call.config, strict, q, k, v, bias, mask, *_mask_arrays(call))
     return out[..., : call.value.shape[-1]], lse
@@ -227,11 +241,10 @@ def _forward(config: AttentionConfig, q, k, v, bias, mask, masks):
     """(out, lse [B, N, T], the kernels' mask operands), from the decode kernels where they take
     the call (_decode.py), else the forward kernels."""
     kernel = _kernel_masks(q, k, *masks)
-    b, t, n, _ = q.shape
+    b = q.shape[0]
     q_len, kv_len, q_seg, _ = masks
     beyond_key_lengths = bias.size > 0 or mask.size > 0 or q_len is not None or q_seg is not None
-    decode_dims = q.shape[-1] in _contract.DECODE_HEAD_DIMS and v.shape[-1] == q.shape[-1]
-    if decode_dims and _decode.takes(b, t, n, k.shape[2], masks_beyond_key_lengths=beyond_key_lengths):
+    if _runs_decode(q.shape, k.shape[2], v.shape[-1], beyond_key_lengths):
         kv_lengths = jnp.zeros((b, 0), jnp.int32) if kv_len is None else kv_len.astype(jnp.int32)[:, None]
         no_pages = jnp.zeros((b, 0), jnp.int32)
         return *_ffi.decode(config, q, k, v, kv_lengths, no_pages), kernel
