@@ -14,8 +14,9 @@ enum class DType { kFloat16, kBFloat16 };
 // up to the next one by the Python layer. The Hopper kernels' head dims are a subset: the others
 // run the sm80 kernels on Hopper too. Above 256 only the Hopper forward runs (fwd_sm90_wide: no
 // bias or mask). Unequal query and value head dims (fwd_sm90_unequal pairs): the Hopper forward
-// only, without a bias or mask; the Python layer pads other pairs to equal dims. The sm90 backward takes every variant there (with a bias
-// only where its tiles copy by TMA and fit or, at d = 256, in pairs of keys: dispatch.cu).
+// only, without a bias or mask; the Python layer pads other pairs to equal dims. The sm90
+// backward takes every variant there (with a bias only where its tiles copy by TMA and fit or, at
+// d = 256, in pairs of keys: dispatch.cu).
 using contract::bwd_sm90_supports_head_dim;
 using contract::bwd_supports_head_dim;
 using contract::fwd_sm90_supports_head_dim;

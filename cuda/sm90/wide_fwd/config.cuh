@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "common/ptx.cuh"
+#include "common/ptx_sm90.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -25,7 +25,7 @@ struct WideFwdConfig {
   static constexpr int kOChunks0 = (kPanels + 1) / 2, kOChunks1 = kPanels / 2;
   static constexpr int kThreads = 384;                  // producer warpgroup, two consumers
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "registers at launch");
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= ptx::launch_registers(kThreads), "registers at launch");
 
   // Shared memory, from a 1024-byte aligned base: Q, one K block, one V block (each kPanels
   // panels of 64 rows), P (64 rows x 64 keys, one panel), the rows' maxima and sums of each
