@@ -11,14 +11,9 @@ from jax_flash import _ffi
 from tests import reference
 from tests.cases import rng_for
 from tests.test_cuda import FWD_TOL, GRAD_TOL, poison_free_memory
-from tests.test_cuda_wide import MASKS
+from tests.test_cuda_wide import MASKS, hopper_or_skip
 
 pytestmark = pytest.mark.gpu
-
-
-def _hopper_or_skip():
-    if _ffi.device_capability() != (9, 0):
-        pytest.skip("the (192, 128) forward runs on Hopper only")
 
 
 def _problem(rng, dtype, h=192, hv=128, b=2, t=200, s=300):
@@ -32,7 +27,7 @@ def _problem(rng, dtype, h=192, hv=128, b=2, t=200, s=300):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_forward(monkeypatch, dtype, mask):
-    _hopper_or_skip()
+    hopper_or_skip("the (192, 128) forward")
     calls, call_kernel = [], _ffi.call_kernel  # (target, q's and v's head dims) of each kernel call
     monkeypatch.setattr(_ffi, "call_kernel", lambda target, *args: calls.append(
         (target, args[1][0].shape[-1], args[1][2].shape[-1])) or call_kernel(target, *args))  # fmt: skip
@@ -53,7 +48,7 @@ def test_forward(monkeypatch, dtype, mask):
 
 @pytest.mark.parametrize("mask", ["none", "causal", "segments"])
 def test_gradients(mask):
-    _hopper_or_skip()
+    hopper_or_skip("the (192, 128) forward")
     rng = rng_for("cuda-unequal-grad", mask)
     q, k, v = _problem(rng, jnp.bfloat16, t=150, s=150 if mask == "segments" else 170)
     kw = MASKS[mask](2, 150, k.shape[1], rng)

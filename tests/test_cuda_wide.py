@@ -17,9 +17,9 @@ from tests.test_cuda import FWD_TOL, GRAD_TOL, poison_free_memory
 pytestmark = pytest.mark.gpu
 
 
-def _hopper_or_skip():
+def hopper_or_skip(kernel: str = "the forward above head dim 256"):
     if _ffi.device_capability() != (9, 0):
-        pytest.skip("the forward above head dim 256 runs on Hopper only")
+        pytest.skip(f"{kernel} runs on Hopper only")
 
 
 MASKS = {
@@ -42,7 +42,7 @@ MASKS = {
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_forward(dtype, h, mask):
     """T != S and both not multiples of 64 (tails in both), GQA 4 over 2."""
-    _hopper_or_skip()
+    hopper_or_skip()
     rng = rng_for("cuda-wide", dtype, h, mask)
     b, t, s = 2, 200, 300 if mask != "segments" else 200
     q = jnp.asarray(rng.normal(size=(b, t, 4, h)), dtype)
@@ -66,7 +66,7 @@ def test_forward(dtype, h, mask):
 def test_gradients_take_the_xla_backward(h):
     """Auto mode: the kernel's forward, the xla path's backward on its output and lse; strict mode
     says it has no backward kernels there."""
-    _hopper_or_skip()
+    hopper_or_skip()
     rng = rng_for("cuda-wide-grad", h)
     q = jnp.asarray(rng.normal(size=(1, 150, 4, h)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.normal(size=(1, 170, 1, h)), jnp.bfloat16) for _ in range(2))
@@ -90,7 +90,7 @@ def test_gradients_take_the_xla_backward(h):
 
 
 def test_a_bias_above_256_takes_the_xla_path():
-    _hopper_or_skip()
+    hopper_or_skip()
     q = k = v = jnp.ones((1, 64, 2, 320), jnp.bfloat16)
     bias = jnp.zeros((1, 2, 64, 64), jnp.float32)
     assert jax_flash.chosen_implementation(q, k, v, bias=bias) != "cuda"
@@ -102,7 +102,7 @@ def test_65536_tokens_at_512_forward_and_backward():
     """65 536 tokens at d = 512, 8 heads: jax.nn's xla path would form 137 GB of float32 scores;
     ours runs the kernel forward and the backward in budget-sized blocks. Query i's output and dQ
     depend only on its own row, so 64 sampled rows are checked against float64 on those rows."""
-    _hopper_or_skip()
+    hopper_or_skip()
     rng = rng_for("cuda-wide-65536")
     b, s, n, h = 1, 65536, 8, 512
     q, k, v, g_out = (jnp.asarray(rng.normal(size=(b, s, n, h)), jnp.bfloat16) for _ in range(4))
