@@ -5,9 +5,11 @@ FWD_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 BWD_HEAD_DIMS = (32, 64, 96, 128, 256)
 FWD_SM90_HEAD_DIMS = (64, 128, 192, 256)
 BWD_SM90_HEAD_DIMS = (64, 128, 256)
+BWD_SM90_NO_BIAS_HEAD_DIMS = (192,)
 FWD_SM90_WIDE_HEAD_DIMS = (320, 384, 448, 512)
 DECODE_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 FWD_SM90_UNEQUAL_HEAD_DIMS = ((192, 128),)  # (head dim, value head dim)
+BWD_SM90_UNEQUAL_HEAD_DIMS = ((192, 128),)  # (head dim, value head dim)
 
 MASK_CHUNK = 64  # queries or keys summarised by one MaskChunk of the segment ids
 STATS_ROW_MULTIPLE = 640  # rows of the backward's statistics scratch: a multiple of every query block

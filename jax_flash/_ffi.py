@@ -159,7 +159,8 @@ def backward_kernels_fit(head_dim: int) -> bool:
     memory: the Hopper ones on 9.0 (227 KB), unless JAX_FLASH_KERNELS=sm80; the mma.sync ones
     wherever their smallest tiles' bytes a block (the compact ones, cuda/sm80/traits.cuh) are
     within smem_limit(). Their launcher takes the largest tiles that fit."""
-    hopper = device_capability() == (9, 0) and kernel_family() == 0 and head_dim in _contract.BWD_SM90_HEAD_DIMS
+    hopper_dims = _contract.BWD_SM90_HEAD_DIMS + _contract.BWD_SM90_NO_BIAS_HEAD_DIMS
+    hopper = device_capability() == (9, 0) and kernel_family() == 0 and head_dim in hopper_dims
     if hopper:
         return True
     return extension().sm80_backward_smem_bytes(head_dim) <= smem_limit()

@@ -19,11 +19,14 @@ from jax_flash._masks import KernelMasks, kernel_masks
 from jax_flash._validation import AttentionConfig, Call
 
 FWD_HEAD_DIMS = _contract.FWD_HEAD_DIMS
-BWD_HEAD_DIMS = _contract.BWD_HEAD_DIMS  # 192 runs the 256 kernels, zero-padded
+BWD_HEAD_DIMS = _contract.BWD_HEAD_DIMS  # 192 runs the 256 kernels, zero-padded, but on Hopper:
+# head dims whose backward kernels run only there, without a bias or mask (backward_head_dim).
+HOPPER_BWD_HEAD_DIMS = _contract.BWD_SM90_NO_BIAS_HEAD_DIMS
 # Above 256: the Hopper forward alone (no bias or mask); the gradients from the xla path's backward.
 WIDE_FWD_HEAD_DIMS = _contract.FWD_SM90_WIDE_HEAD_DIMS
-# (query/key, value) head dims with a forward kernel of their own (Hopper; no bias or mask).
+# (query/key, value) head dims with a forward kernel and a backward of their own (Hopper; no bias or mask).
 UNEQUAL_FWD_HEAD_DIMS = _contract.FWD_SM90_UNEQUAL_HEAD_DIMS
+UNEQUAL_BWD_HEAD_DIMS = _contract.BWD_SM90_UNEQUAL_HEAD_DIMS
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16)
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 # The oldest GPU our kernel families run on: Turing (7.x) lacks their instructions (bf16 mma.sync,
@@ -93,6 +96,23 @@ def _hopper_kernels_run(capability: tuple[int, int], archs: tuple[str, ...]) -> 
     """Whether the Hopper-only forwards (above 256, unequal head dims) can run: a 9.0 GPU, sm_90a
     code built, and the kernel family not forced to sm80."""
     return capability == (9, 0) and "90a" in archs and _ffi.kernel_family() == _ffi.KERNEL_FAMILIES["best"]
+
+
+def backward_head_dims(head_dim: int, value_dim: int, bias_or_mask: bool) -> tuple[int, int] | None:
+    """The (query/key, value) head dims of the backward kernels that differentiate a forward
+    kernel's `head_dim` and `value_dim` (value_dim <= head_dim), each zero-padded up to them, or
+    None above them. Where the Hopper kernels run a call with no bias or 2-d mask (`bias_or_mask`
+    False): also the head dims of HOPPER_BWD_HEAD_DIMS (192) and the pairs of UNEQUAL_BWD_HEAD_DIMS;
+    elsewhere BWD_HEAD_DIMS' (192 takes 256), V padded to the same."""
+    dims = BWD_HEAD_DIMS
+    hopper = not bias_or_mask and _hopper_kernels_run(_ffi.device_capability(), _ffi.built_archs())
+    if hopper:
+        dims = tuple(sorted(BWD_HEAD_DIMS + HOPPER_BWD_HEAD_DIMS))
+    padded = kernel_head_dim(head_dim, dims)
+    if padded is None:
+        return None
+    pair = (padded, kernel_head_dim(value_dim, BWD_HEAD_DIMS))
+    return pair if hopper and pair in UNEQUAL_BWD_HEAD_DIMS else (padded, padded)
 
 
 def _no_bias_or_2d_mask(call: Call) -> bool:
@@ -274,11 +294,12 @@ def _flash_bwd(config: AttentionConfig, strict: bool, residuals, cotangents):
     d_out, d_lse = cotangents
     d_out = jnp.zeros(d_out.shape, d_out.dtype) if isinstance(d_out, SymbolicZero) else d_out
     b, t, n, _ = q.shape
-    # A head dim without backward kernels (192) takes the next one up, zero-padded: zero columns
-    # change no logit and get zero gradients. A narrower V (its own forward kernel: 192 / 128) is
-    # padded to the query head dim's kernels too.
+    # A head dim without backward kernels takes the next one up, zero-padded: zero columns change
+    # no logit and get zero gradients. A narrower V (from its own forward kernel: 192 / 128) has a
+    # backward of its own too, or is padded to the query head dim's kernels.
     head_dim, dims = q.shape[-1], (q.shape[-1], k.shape[-1], v.shape[-1])
-    padded = kernel_head_dim(head_dim, BWD_HEAD_DIMS)
+    kernel_dims = backward_head_dims(head_dim, v.shape[-1], bias_or_mask=bool(bias.size or mask.size))
+    padded, padded_value = kernel_dims or (None, None)
     if padded is None or not _ffi.backward_kernels_fit(padded):
         if strict and padded is None:
             raise ValueError(
@@ -294,7 +315,8 @@ def _flash_bwd(config: AttentionConfig, strict: bool, residuals, cotangents):
         dq, dk, dv, dbias = _xla_backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse)
         return dq, dk, dv, dbias if want_dbias else None, *(None,) * 5
     d_lse = jnp.zeros((b, n, 0), jnp.float32) if isinstance(d_lse, SymbolicZero) else d_lse.transpose(0, 2, 1)
-    q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (q, k, v, out, d_out))
+    q, k = (_pad_head_dim(x, padded) for x in (q, k))
+    v, out, d_out = (_pad_head_dim(x, padded_value) for x in (v, out, d_out))
     *grads, dbias = _ffi.backward(config, q, k, v, out, lse, d_out, d_lse, kernel, bias, mask, want_dbias)
     dbias = dbias.astype(bias.dtype) if want_dbias else None
     return tuple(g[..., :dim] for g, dim in zip(grads, dims, strict=True)) + (dbias,) + (None,) * 5

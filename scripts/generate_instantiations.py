@@ -22,13 +22,15 @@ HEAD_DIMS = {
     "bwd": (32, 64, 96, 128, 256),  # 192 runs the 256 kernels, zero-padded
     "fwd_sm90": (64, 128, 192, 256),  # Hopper (wgmma) forward; the others run the sm80 kernels there
     "bwd_sm90": (64, 128, 256),
+    "bwd_sm90_no_bias": (192,),  # Hopper backward without a bias or mask; with one, 192 runs the 256 kernels
     "fwd_sm90_wide": (320, 384, 448, 512),  # Hopper forward above 256 (no bias or mask; xla's backward)
     "decode": (32, 64, 96, 128, 192, 256),
 }
 # (query/key head dim, value head dim) pairs with kernels of their own; other unequal pairs are
 # zero-padded to equal dims by the Python layer.
 HEAD_DIM_PAIRS = {
-    "fwd_sm90_unequal": ((192, 128),),  # Hopper forward (no bias or mask); the backward pads V
+    "fwd_sm90_unequal": ((192, 128),),  # Hopper forward (no bias or mask)
+    "bwd_sm90_unequal": ((192, 128),),  # Hopper backward (no bias or mask)
 }
 # name -> (value, meaning): constants that both the kernels and the Python layer depend on.
 CONSTANTS = {
@@ -48,10 +50,15 @@ KERNELS = {  # (kernel, arch) -> (launcher header, launcher, params, head dims, 
     ("bwd", "sm80"): ("launch/run_sm80.cuh", "run_bwd_sm80", "BwdParams", HEAD_DIMS["bwd"], VARIANTS),
     ("fwd", "sm90"): ("launch/run_sm90.cuh", "run_fwd_sm90", "FwdParams", HEAD_DIMS["fwd_sm90"], VARIANTS),
     ("bwd", "sm90"): ("launch/run_sm90.cuh", "run_bwd_sm90", "BwdParams", HEAD_DIMS["bwd_sm90"], VARIANTS),
+    ("bwd_no_bias", "sm90"): ("launch/run_sm90.cuh", "run_bwd_sm90", "BwdParams", HEAD_DIMS["bwd_sm90_no_bias"],
+                              {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}),
     ("fwd_wide", "sm90"): ("launch/run_sm90_wide_fwd.cuh", "run_wide_fwd_sm90", "FwdParams",
                            HEAD_DIMS["fwd_sm90_wide"], {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}),
     ("fwd_unequal", "sm90"): ("launch/run_sm90.cuh", "run_unequal_fwd_sm90", "FwdParams",
                               HEAD_DIM_PAIRS["fwd_sm90_unequal"],
+                              {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}),
+    ("bwd_unequal", "sm90"): ("launch/run_sm90.cuh", "run_unequal_bwd_sm90", "BwdParams",
+                              HEAD_DIM_PAIRS["bwd_sm90_unequal"],
                               {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}),
     # Decode reads key lengths always, never segment ids or a bias: two variants.
     ("decode", "sm80"): ("launch/run_decode.cuh", "run_decode", "DecodeParams", HEAD_DIMS["decode"],

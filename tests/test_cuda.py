@@ -101,15 +101,16 @@ def test_head_dims_and_dtypes(dtype, h, is_causal):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("h", [192, 256])
 @pytest.mark.parametrize("kw", [dict(local_window_size=(100, 30)), dict(is_causal=True, local_window_size=(64, 0))])
-def test_wgmma_backward_at_256_with_bands(dtype, kw):
-    """The d = 256 wgmma backward (cuda/sm90/bwd_wide_kernel.cuh for dK and dV, bwd_dq_kernel.cuh
-    for dQ) with GQA, T != S, tails and bands (the band mask of their plain variants; the masked
-    variants, lengths and segments, are in test_cuda_masks.py)."""
-    check(dtype, 2, 129, 300, 4, 2, 256, **kw)
+def test_wgmma_backward_at_192_and_256_with_bands(dtype, h, kw):
+    """The d = 192 and 256 wgmma backward (cuda/sm90/bwd_wide_kernel.cuh for dK and dV,
+    bwd_dq_kernel.cuh for dQ) with GQA, T != S, tails and bands (the band mask of their plain
+    variants; the masked variants, lengths and segments, are in test_cuda_masks.py)."""
+    check(dtype, 2, 129, 300, 4, 2, h, **kw)
 
 
-@pytest.mark.parametrize("h", [64, 128, 256])
+@pytest.mark.parametrize("h", [64, 128, 192, 256])
 @pytest.mark.parametrize("family", ["best", "sm80"])
 def test_gradients_through_the_lse(monkeypatch, family, h):
     """A loss of the output and of the returned lse: the lse's cotangent enters the backward

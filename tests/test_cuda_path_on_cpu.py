@@ -108,14 +108,23 @@ def test_lse_cotangent_reaches_the_kernels_only_when_used(kernel_calls):
         assert shapes[6] == lse_cotangent
 
 
-def test_head_dim_without_backward_kernels_pads_up(kernel_calls):
-    """Head dim 160: the forward runs the 192 kernels, the backward the 256 ones (no 192 backward)."""
-    q, k, v = qkv(rng_for("cuda-path-160"), jnp.bfloat16, 2, 24, 24, 2, 1, 160)
-    grads = jax.grad(_loss("cuda", {"is_causal": True}), argnums=(0, 1, 2))(q, k, v)
-    for mine, ref in zip(grads, jax.grad(_loss("xla", {"is_causal": True}), argnums=(0, 1, 2))(q, k, v)):
+@pytest.mark.parametrize("case,backward_dim", [("hopper", 192), ("sm80 kernels", 256), ("bias", 256)])
+def test_head_dim_without_kernels_pads_up(kernel_calls, monkeypatch, case, backward_dim):
+    """Head dim 160: the forward runs the 192 kernels, and so does the backward on the Hopper
+    kernels without a bias; with one, or on the mma.sync kernels (no 192 backward), the 256 ones."""
+    rng = rng_for("cuda-path-160", case)
+    q, k, v = qkv(rng, jnp.bfloat16, 2, 24, 24, 2, 1, 160)
+    kw = {"is_causal": True}
+    if case == "bias":
+        kw["bias"] = jnp.asarray(rng.normal(size=(1, 2, 24, 24)), jnp.float32)
+    if case == "sm80 kernels":
+        monkeypatch.setenv(_ffi.KERNELS_ENV, "sm80")
+    args = (q, k, v, kw["bias"]) if "bias" in kw else (q, k, v)
+    grads = jax.grad(_loss("cuda", kw), argnums=(0, 1, 2))(*args)
+    for mine, ref in zip(grads, jax.grad(_loss("xla", kw), argnums=(0, 1, 2))(*args), strict=True):
         assert mine.shape == ref.shape and reference.rel_error(mine, ref) < 2e-2
     head_dims = {target: shapes[0][-1] for target, shapes in kernel_calls}
-    assert head_dims == {"jax_flash_fwd": 192, "jax_flash_bwd": 256}
+    assert head_dims == {"jax_flash_fwd": 192, "jax_flash_bwd": backward_dim}
 
 
 def test_vmap_is_one_kernel_call(kernel_calls):
@@ -393,17 +402,18 @@ def test_head_dims_above_256_run_a_one_axis_mask_as_segments(kernel_calls, axis)
         assert reference.rel_error(mine, ref) < 2e-2
 
 
-@pytest.mark.parametrize("case,forward_dims", [
-    ("192/128", (192, 128)),  # the pair's own forward kernel
-    ("160/100", (192, 128)),  # padded up to the pair
-    ("padding mask", (192, 128)),  # runs as segment ids
-    ("bias", (192, 192)),  # no bias in the pair's kernel: V padded to the query head dim
-    ("sm80 kernels", (192, 192)),
-    ("decode", (192, 192)),  # the decode kernels at the wider dim
+@pytest.mark.parametrize("case,forward_dims,backward_dims", [
+    ("192/128", (192, 128), (192, 128)),  # the pair's own kernels
+    ("160/100", (192, 128), (192, 128)),  # padded up to the pair
+    ("padding mask", (192, 128), (192, 128)),  # runs as segment ids
+    # No bias in the pair's kernels: V padded to the query head dim, and the backward to 256.
+    ("bias", (192, 192), (256, 256)),
+    ("sm80 kernels", (192, 192), (256, 256)),
+    ("decode", (192, 192), None),  # the decode kernels at the wider dim
 ])  # fmt: skip
-def test_unequal_head_dims_take_their_own_forward_kernel(kernel_calls, monkeypatch, case, forward_dims):
-    """(192, 128) has a Hopper forward of its own (V and O of 128 columns); the backward pads V to
-    the query head dim's kernels (256). Values and gradients match the xla path's."""
+def test_unequal_head_dims_take_their_own_kernels(kernel_calls, monkeypatch, case, forward_dims, backward_dims):
+    """(192, 128) has a Hopper forward and backward of its own (V, O, dO and dV of 128 columns).
+    Values and gradients match the xla path's."""
     h, hv = (160, 100) if case == "160/100" else (192, 128)
     t = 2 if case == "decode" else 40
     rng = rng_for("cuda-path-unequal", case)
@@ -427,8 +437,9 @@ def test_unequal_head_dims_take_their_own_forward_kernel(kernel_calls, monkeypat
     assert (shapes[0][-1], shapes[2][-1]) == forward_dims
     if case == "decode":
         return
-    grads = jax.grad(_loss(None, kw), (0, 1, 2))(q, k, v)
-    for mine, ref in zip(grads, jax.grad(_loss("xla", kw), (0, 1, 2))(q, k, v), strict=True):
+    args = (q, k, v, kw["bias"]) if "bias" in kw else (q, k, v)
+    grads = jax.grad(_loss(None, kw), (0, 1, 2))(*args)
+    for mine, ref in zip(grads, jax.grad(_loss("xla", kw), (0, 1, 2))(*args), strict=True):
         assert mine.shape == ref.shape and reference.rel_error(mine, ref) < 2e-2
     bwd_shapes = dict(kernel_calls)["jax_flash_bwd"]
-    assert (bwd_shapes[0][-1], bwd_shapes[2][-1]) == (256, 256)
+    assert (bwd_shapes[0][-1], bwd_shapes[2][-1]) == backward_dims

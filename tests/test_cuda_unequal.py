@@ -1,6 +1,6 @@
-"""Unequal query/key and value head dims on the GPU (marked `gpu`): the Hopper forward of its own at
-(192, 128) (V and O of 128 columns) against the float64 reference, with every mask but a bias, and
-the gradients (the backward kernels at 256, V zero-padded) in auto mode."""
+"""Unequal query/key and value head dims on the GPU (marked `gpu`): the Hopper forward and backward
+of their own at (192, 128) (V, O, dO and dV of 128 columns) against the float64 reference, with
+every mask but a bias."""
 
 import jax
 import jax.numpy as jnp
@@ -46,19 +46,28 @@ def test_forward(monkeypatch, dtype, mask):
     assert reference.rel_error(lse, ref_lse) < 1e-4
 
 
-@pytest.mark.parametrize("mask", ["none", "causal", "segments"])
-def test_gradients(mask):
-    hopper_or_skip("the (192, 128) forward")
-    rng = rng_for("cuda-unequal-grad", mask)
-    q, k, v = _problem(rng, jnp.bfloat16, t=150, s=150 if mask == "segments" else 170)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_gradients(monkeypatch, dtype, mask):
+    """The (192, 128) backward of its own (V, dO and dV of 128 columns)."""
+    hopper_or_skip("the (192, 128) kernels")
+    calls, call_kernel = [], _ffi.call_kernel  # (target, q's and v's head dims) of each kernel call
+    monkeypatch.setattr(_ffi, "call_kernel", lambda target, *args: calls.append(
+        (target, args[1][0].shape[-1], args[1][2].shape[-1])) or call_kernel(target, *args))  # fmt: skip
+    rng = rng_for("cuda-unequal-grad", dtype, mask)
+    q, k, v = _problem(rng, dtype, t=150, s=150 if mask == "segments" else 170)
     kw = MASKS[mask](2, 150, k.shape[1], rng)
     g_out = jnp.asarray(rng.normal(size=q.shape[:3] + (128,)), jnp.float32)
 
     def loss(attend, q, k, v):
         return jnp.sum(attend(q, k, v).astype(jnp.float32) * g_out)
 
-    grads = jax.jit(jax.grad(lambda *a: loss(lambda q, k, v: jax_flash.attention(q, k, v, **kw), *a),
-                             argnums=(0, 1, 2)))(q, k, v)  # fmt: skip
+    grad = jax.jit(jax.grad(lambda *a: loss(lambda q, k, v: jax_flash.attention(q, k, v, **kw), *a),
+                            argnums=(0, 1, 2)))  # fmt: skip
+    grad.lower(q, k, v)
+    assert ("jax_flash_bwd", 192, 128) in calls and ("jax_flash_bwd", 192, 192) not in calls
+    poison_free_memory()
+    grads = grad(q, k, v)
     ref = jax.grad(lambda *a: loss(lambda q, k, v: reference.attention(q, k, v, **kw)[0], *a), argnums=(0, 1, 2))(q, k, v)
     for mine, want in zip(grads, ref, strict=True):
         assert mine.shape == want.shape and reference.rel_error(mine, want) < GRAD_TOL

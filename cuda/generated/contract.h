@@ -31,6 +31,8 @@ using FwdSm90HeadDims = std::integer_sequence<int, 64, 128, 192, 256>;
 constexpr bool fwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 192 || d == 256; }
 using BwdSm90HeadDims = std::integer_sequence<int, 64, 128, 256>;
 constexpr bool bwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 256; }
+using BwdSm90NoBiasHeadDims = std::integer_sequence<int, 192>;
+constexpr bool bwd_sm90_no_bias_supports_head_dim(int d) { return d == 192; }
 using FwdSm90WideHeadDims = std::integer_sequence<int, 320, 384, 448, 512>;
 constexpr bool fwd_sm90_wide_supports_head_dim(int d) { return d == 320 || d == 384 || d == 448 || d == 512; }
 using DecodeHeadDims = std::integer_sequence<int, 32, 64, 96, 128, 192, 256>;
@@ -38,6 +40,9 @@ constexpr bool decode_supports_head_dim(int d) { return d == 32 || d == 64 || d 
 // (head dim, value head dim) pairs, flattened.
 using FwdSm90UnequalHeadDims = std::integer_sequence<int, 192, 128>;
 constexpr bool fwd_sm90_unequal_supports_head_dims(int h, int v) { return (h == 192 && v == 128); }
+// (head dim, value head dim) pairs, flattened.
+using BwdSm90UnequalHeadDims = std::integer_sequence<int, 192, 128>;
+constexpr bool bwd_sm90_unequal_supports_head_dims(int h, int v) { return (h == 192 && v == 128); }
 
 // One segment-chunk summary (jax_flash/_masks.py writes them, common/mask.cuh reads them).
 struct MaskChunk {

@@ -101,8 +101,30 @@ cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream
   return by_variant(p, [&](auto v) { return fwd_for<T, decltype(v)::value>(p, family, stream); });
 }
 
+// The backwards that run only on Hopper, without a bias or mask: head dim 192 (with one, the Python
+// layer pads it to 256), and unequal query/key and value head dims.
+template <typename T, Variant kVariant>
+cudaError_t hopper_only_bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream) {
+  if constexpr (kVariant == Variant::kEverything) {
+    return cudaErrorInvalidValue;
+  } else {
+    if (!use_sm90(family)) return cudaErrorInvalidValue;
+    if (p.value_dim != p.head_dim) {
+      return for_head_dim_pair(contract::BwdSm90UnequalHeadDims{}, p.head_dim, p.value_dim, [&](auto h, auto v) {
+        return run_unequal_bwd_sm90<T, decltype(h)::value, decltype(v)::value, kVariant>(p, stream);
+      });
+    }
+    return for_head_dim(contract::BwdSm90NoBiasHeadDims{}, p.head_dim, [&](auto d) {
+      return run_bwd_sm90<T, decltype(d)::value, kVariant>(p, stream);
+    });
+  }
+}
+
 template <typename T, Variant kVariant>
 cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream) {
+  if (p.value_dim != p.head_dim || bwd_sm90_no_bias_supports_head_dim(p.head_dim)) {
+    return hopper_only_bwd_for<T, kVariant>(p, family, stream);
+  }
   if (!bwd_supports_head_dim(p.head_dim)) return cudaErrorInvalidValue;
   const bool sm90 = use_sm90(family);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {

@@ -13,11 +13,14 @@ enum class DType { kFloat16, kBFloat16 };
 // Head dims with kernels (the kernel contract, cuda/generated/contract.h); other sizes are padded
 // up to the next one by the Python layer. The Hopper kernels' head dims are a subset: the others
 // run the sm80 kernels on Hopper too. Above 256 only the Hopper forward runs (fwd_sm90_wide: no
-// bias or mask). Unequal query and value head dims (fwd_sm90_unequal pairs): the Hopper forward
-// only, without a bias or mask; the Python layer pads other pairs to equal dims. The sm90
-// backward takes every variant there (with a bias only where its tiles copy by TMA and fit or, at
-// d = 256, in pairs of keys: dispatch.cu).
+// bias or mask). Unequal query and value head dims (fwd_sm90_unequal and bwd_sm90_unequal pairs):
+// the Hopper kernels only, without a bias or mask; the Python layer pads other pairs to equal dims.
+// The sm90 backward takes every variant at bwd_sm90's dims (with a bias only where its tiles copy
+// by TMA and fit or, at d = 256, in pairs of keys: dispatch.cu), and all but the bias one at
+// bwd_sm90_no_bias's (192; with a bias the Python layer pads it to 256).
+using contract::bwd_sm90_no_bias_supports_head_dim;
 using contract::bwd_sm90_supports_head_dim;
+using contract::bwd_sm90_unequal_supports_head_dims;
 using contract::bwd_supports_head_dim;
 using contract::fwd_sm90_supports_head_dim;
 using contract::fwd_sm90_unequal_supports_head_dims;
@@ -53,6 +56,8 @@ template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_wide_fwd_sm90(const FwdParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim, int kValueDim, Variant kVariant>
 cudaError_t run_unequal_fwd_sm90(const FwdParams& p, cudaStream_t stream);
+template <typename T, int kHeadDim, int kValueDim, Variant kVariant>
+cudaError_t run_unequal_bwd_sm90(const BwdParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream);
 

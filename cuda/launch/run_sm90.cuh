@@ -126,17 +126,17 @@ cudaError_t run_unequal_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 }
 
 // The tensor maps of the backward kernels: q and dO in boxes of Cfg::kBlockM rows, k and v of
-// Cfg::kBlockN, dk and dv of 64 (a consumer's columns).
+// Cfg::kBlockN, dk and dv of 64 (a consumer's columns); dO, v and dv of Cfg::kValueDim columns.
 template <typename Cfg>
 cudaError_t make_bwd_tensor_maps(const BwdParams& p, sm90::BwdTensorMaps* maps) {
-  constexpr int kHeadDim = Cfg::kHeadDim;
+  constexpr int kHeadDim = Cfg::kHeadDim, kValueDim = Cfg::kValueDim;
   for (cudaError_t e : {
            make_tensor_map_bthd(&maps->q, p.q, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
-           make_tensor_map_bthd(&maps->dout, p.dout, p.batch, p.seqlen_q, p.heads, kHeadDim, Cfg::kBlockM),
+           make_tensor_map_bthd(&maps->dout, p.dout, p.batch, p.seqlen_q, p.heads, kValueDim, Cfg::kBlockM),
            make_tensor_map_bthd(&maps->k, p.k, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
-           make_tensor_map_bthd(&maps->v, p.v, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, Cfg::kBlockN),
+           make_tensor_map_bthd(&maps->v, p.v, p.batch, p.seqlen_k, p.kv_heads, kValueDim, Cfg::kBlockN),
            make_tensor_map_bthd(&maps->dk, p.dk, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, 64),
-           make_tensor_map_bthd(&maps->dv, p.dv, p.batch, p.seqlen_k, p.kv_heads, kHeadDim, 64),
+           make_tensor_map_bthd(&maps->dv, p.dv, p.batch, p.seqlen_k, p.kv_heads, kValueDim, 64),
        }) {
     if (e != cudaSuccess) return e;
   }
@@ -176,16 +176,17 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   return sm90::launch_dq_from_tiles<T, typename Cfg::Dq, Cfg::kBlockM>(p, stream);
 }
 
-// H = 256: dK and dV by bwd_wide_kernel (a CTA per 64 keys), dQ by bwd_dq_kernel (a CTA per 64
-// queries), which writes dq itself: no fp32 accumulator to zero or convert.
-template <typename T, Variant kVariant>
+// H = 192 and 256 (V of kValueDim columns): dK and dV by bwd_wide_kernel (a CTA per 64 keys), dQ
+// by bwd_dq_kernel (a CTA per 64 queries), which writes dq itself: no fp32 accumulator to zero or
+// convert.
+template <typename T, int kHeadDim, int kValueDim, Variant kVariant>
 cudaError_t launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
-  using Cfg = sm90::BwdWideConfig<T>;
-  using DqCfg = sm90::BwdDqConfig<T>;
+  using Cfg = sm90::BwdWideConfig<T, kHeadDim, kValueDim>;
+  using DqCfg = sm90::BwdDqConfig<T, kHeadDim, kValueDim>;
   static_assert(DqCfg::kBlockM == Cfg::kBlockM && DqCfg::kBlockN == Cfg::kBlockN, "one set of tensor maps");
   BwdParams stats_only = p;
   stats_only.dq_accum = nullptr;
-  if (cudaError_t e = launch_bwd_preprocess<T, 256>(stats_only, stream); e != cudaSuccess) return e;
+  if (cudaError_t e = launch_bwd_preprocess<T, kValueDim>(stats_only, stream); e != cudaSuccess) return e;
   sm90::BwdTensorMaps maps;
   if (cudaError_t e = make_bwd_tensor_maps<Cfg>(p, &maps); e != cudaSuccess) return e;
   auto dkdv_kernel = sm90::bwd_wide_kernel<Cfg, kVariant>;
@@ -214,10 +215,17 @@ cudaError_t launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Unequal head dims (query/key kHeadDim, value kValueDim < kHeadDim): the kernels of H = 192 and 256,
+// with V, dO and dV of kValueDim columns.
+template <typename T, int kHeadDim, int kValueDim, Variant kVariant>
+cudaError_t run_unequal_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
+  return launch_bwd_sm90_wide<T, kHeadDim, kValueDim, kVariant>(p, stream);
+}
+
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
-  if constexpr (kHeadDim == 256) {
-    return launch_bwd_sm90_wide<T, kVariant>(p, stream);
+  if constexpr (kHeadDim >= 192) {
+    return launch_bwd_sm90_wide<T, kHeadDim, kHeadDim, kVariant>(p, stream);
   } else {
     // H = 128 without masks, band or deterministic mode (whose turns count 64-row blocks):
     // 80-query steps, FlashAttention-3's non-causal tile.

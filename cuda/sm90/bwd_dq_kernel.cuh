@@ -1,4 +1,5 @@
-// dQ of the head-dim-256 backward on Hopper (sm_90a), in a kernel of its own.
+// dQ of the Hopper backward (sm_90a) at head dims 192 and 256 (also with a narrower V: 192 / 128),
+// in a kernel of its own.
 //
 // bwd_wide_kernel.cuh walks query blocks per key block, so every one of its CTAs adds a part of
 // dQ: 64 KB of fp32 atomics per 64 x 64 step (B12).
@@ -10,7 +11,7 @@
 // and boolean mask, kBias, S takes them after the cap, as bwd_wide_kernel.cuh's does)
 // Warp group 0 is the producer (one thread: Q and dO once, K and V per key block into kStages
 // stages, TMA completing on mbarriers). The two consumer warp groups split each key block: keys
-// [32 c, 32 c + 32) go to consumer c, whose dQ (64 x 256 fp32, 128 registers a thread) sums over
+// [32 c, 32 c + 32) go to consumer c, whose dQ (64 x H fp32, H / 2 registers a thread) sums over
 // its halves; the two partial sums meet through shared memory at the end. No ping-pong: each
 // consumer issues S and dP together and then its dQ product, so the tensor cores hold work of both
 // while either computes P and dS.
@@ -40,24 +41,26 @@
 
 namespace jax_flash::sm90 {
 
-template <typename T_>
+template <typename T_, int kHeadDim_ = 256, int kValueDim_ = kHeadDim_>
 struct BwdDqConfig {
   using T = T_;
-  static constexpr int kHeadDim = 256;
+  static constexpr int kHeadDim = kHeadDim_, kValueDim = kValueDim_;  // of Q, K and dQ; of V and dO
+  static_assert(kHeadDim % 64 == 0 && kValueDim % 64 == 0 && kHeadDim <= 256, "whole 64-column panels");
   static constexpr int kConsumers = 2;
   static constexpr int kBlockM = 64;                      // queries a CTA
   static constexpr int kBlockN = 64;                      // keys a stage
   static constexpr int kHalfN = kBlockN / kConsumers;     // keys a consumer
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kPanels = kHeadDim / 64;           // 64-column panels of 128-byte rows
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // Q or dO
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V of one stage
-  static constexpr int kQ = 0, kDo = kQBytes, kK = 2 * kQBytes, kV = kK + kStages * kKVBytes;
-  static constexpr int kBarriers = kV + kStages * kKVBytes;
+  static constexpr int kPanels = kHeadDim / 64, kValuePanels = kValueDim / 64;  // 64-column panels of 128-byte rows
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2, kDoBytes = kBlockM * kValueDim * 2;
+  static constexpr int kKBytes = kBlockN * kHeadDim * 2, kVBytes = kBlockN * kValueDim * 2;  // one stage
+  static constexpr int kQ = 0, kDo = kQBytes, kK = kDo + kDoBytes, kV = kK + kStages * kKBytes;
+  static constexpr int kBarriers = kV + kStages * kVBytes;
   static constexpr int kSmemBytes = kBarriers + 8 * (1 + 4 * kStages) + 1024;
-  // The consumers' exchange of dQ halves at the end reuses the K/V stages: 2 x 64 x 128 floats.
-  static_assert(2 * kBlockM * 128 * 4 <= 2 * kStages * kKVBytes, "exchange buffer inside the stages");
+  // The consumers' exchange of dQ halves at the end reuses the K/V stages: a quarter of dQ's
+  // columns a thread, each way.
+  static_assert(2 * 128 * (kHeadDim / 4) * 4 <= kStages * (kKBytes + kVBytes), "exchange buffer inside the stages");
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= ptx::launch_registers(kThreads),
                 "registers at launch");
@@ -138,12 +141,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     delta[r] = p.delta[row];
   }
 
-  constexpr int kDqChunks = kHeadDim / 128;  // wgmma n128 each
-  float dq[kDqChunks][64];
+  float dq[kHeadDim / 2];  // one m64nH accumulator
 #pragma unroll
-  for (int c = 0; c < kDqChunks; ++c)
-#pragma unroll
-    for (int i = 0; i < 64; ++i) dq[c][i] = 0.f;
+  for (int i = 0; i < kHeadDim / 2; ++i) dq[i] = 0.f;
 
   const uint64_t q_desc = ptx::smem_desc_sw128(sm.q(), 0), do_desc = ptx::smem_desc_sw128(sm.d_o(), 0);
   uint32_t ds_a[kHalfN / 16][4];  // dS as the A fragments of dQ's k16 steps
@@ -162,15 +162,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::wgmma_commit();
     ptx::mbarrier_wait(sm.v_full(stage), phase);
     ptx::wgmma_fence();  // after the wait's branch (else ptxas injects one, C7519)
-    wgmma_over_head_dim<T, kHeadDim, kBlockM, kBlockN>(dp, do_desc, v_desc);
+    wgmma_over_head_dim<T, Cfg::kValueDim, kBlockM, kBlockN>(dp, do_desc, v_desc);
     ptx::wgmma_commit();
     // The previous block's dQ product and S have landed (dP may still run): that block's K stage
     // and dS fragments are free.
     ptx::wgmma_wait<1>();
     ptx::fence_registers(s);
     ptx::fence_registers(ds_a);
-#pragma unroll
-    for (int c = 0; c < kDqChunks; ++c) ptx::fence_registers(dq[c]);
+    ptx::fence_registers(dq);
     if (j > 0) ptx::mbarrier_arrive(sm.k_empty((j - 1) % kStages));
 
     // With a cap (before the bias), S becomes the tanh values, whose slopes dS takes (made before
@@ -209,31 +208,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 4; ++i) ds_a[kk][i] = ptx::pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
 
-    // dQ += dS K: K MN-major (keys are K, head-dim columns N), this consumer's 32 keys, 16 a step
-    // (2048 bytes of a panel), column panels kBlockN * 128 bytes apart.
+    // dQ += dS K: K MN-major (keys are K, head-dim columns N: one wgmma nH), this consumer's 32
+    // keys, 16 a step (2048 bytes of a panel), column panels kBlockN * 128 bytes apart.
     const uint64_t kt_desc = ptx::smem_desc_sw128(sm.k(stage) + consumer_uniform * kHalfN * 128, kBlockN * 128);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kHalfN / 16; ++kk)
-#pragma unroll
-      for (int c = 0; c < kDqChunks; ++c) {
-        ptx::wgmma_rs(dq[c], ds_a[kk], ptx::desc_advance(kt_desc, c * 2 * kBlockN * 128 + kk * 2048), T{});
-      }
+    for (int kk = 0; kk < kHalfN / 16; ++kk) ptx::wgmma_rs(dq, ds_a[kk], ptx::desc_advance(kt_desc, kk * 2048), T{});
     ptx::wgmma_commit();
   }
   ptx::wgmma_wait<0>();
   ptx::fence_registers(ds_a);
-#pragma unroll
-  for (int c = 0; c < kDqChunks; ++c) ptx::fence_registers(dq[c]);
+  ptx::fence_registers(dq);
 
   // The two partial sums meet (sm90/bwd/dq_exchange.cuh), once both consumers' last products have
   // landed and the stages are free.
   ptx::named_barrier_sync(kExchangeBarrier, kConsumerThreads);
-  constexpr auto exchange_and_store = exchange_and_store_dq<T, kHeadDim, kExchangeBarrier>;
+  // Consumer c stores the c-th half of the columns (the accumulator's c-th half of registers).
   if (consumer == 0) {
-    exchange_and_store(p, exchange, dq[1], dq[0], consumer, batch, head, q_first, tid, warp, lane);
+    exchange_and_store_dq<T, kHeadDim, kExchangeBarrier, 0>(p, exchange, dq, batch, head, q_first, tid, warp, lane);
   } else {
-    exchange_and_store(p, exchange, dq[0], dq[1], consumer, batch, head, q_first, tid, warp, lane);
+    exchange_and_store_dq<T, kHeadDim, kExchangeBarrier, 1>(p, exchange, dq, batch, head, q_first, tid, warp, lane);
   }
 #endif
 }

@@ -84,10 +84,12 @@ __device__ __forceinline__ void produce_bwd_stages(const BwdTensorMaps& maps, co
                                                    uint32_t base, int batch, int kv_head, int k_first) {
   constexpr int kStages = Cfg::kStages, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   const int group = p.heads / p.kv_heads;
-  ptx::mbarrier_arrive_expect_tx(bars.kv_full(), 2 * Cfg::kKVBytes);
+  ptx::mbarrier_arrive_expect_tx(bars.kv_full(), Cfg::kKBytes + Cfg::kVBytes);
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
     ptx::tma_load_4d(base + Cfg::kK + panel * kBlockN * 128, &maps.k, bars.kv_full(), panel * 64, kv_head, k_first,
                      batch);
+  }
+  for (int panel = 0; panel < Cfg::kValuePanels; ++panel) {
     ptx::tma_load_4d(base + Cfg::kV + panel * kBlockN * 128, &maps.v, bars.kv_full(), panel * 64, kv_head, k_first,
                      batch);
   }
@@ -96,7 +98,7 @@ __device__ __forceinline__ void produce_bwd_stages(const BwdTensorMaps& maps, co
     const int stage = s % kStages, use = s / kStages;
     const int q_first = step.m_block * kBlockM;
     const int64_t stats = (int64_t(batch) * p.heads + step.head) * p.stats_stride + q_first;
-    const uint32_t q_tile = base + Cfg::kQ + stage * Cfg::kQBytes, do_tile = base + Cfg::kDo + stage * Cfg::kQBytes;
+    const uint32_t q_tile = base + Cfg::kQ + stage * Cfg::kQBytes, do_tile = base + Cfg::kDo + stage * Cfg::kDoBytes;
     if (use > 0) ptx::mbarrier_wait(bars.q_empty(stage), (use - 1) & 1);
     ptx::mbarrier_arrive_expect_tx(bars.q_full(stage), Cfg::kQBytes + Cfg::kStatBytes);
     for (int panel = 0; panel < Cfg::kPanels; ++panel) {
@@ -106,8 +108,8 @@ __device__ __forceinline__ void produce_bwd_stages(const BwdTensorMaps& maps, co
     ptx::bulk_load(base + Cfg::kLse + stage * Cfg::kStatBytes, p.lse_log2 + stats, Cfg::kStatBytes,
                    bars.q_full(stage));
     if (use > 0) ptx::mbarrier_wait(bars.do_empty(stage), (use - 1) & 1);
-    ptx::mbarrier_arrive_expect_tx(bars.do_full(stage), Cfg::kQBytes + Cfg::kStatBytes);
-    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+    ptx::mbarrier_arrive_expect_tx(bars.do_full(stage), Cfg::kDoBytes + Cfg::kStatBytes);
+    for (int panel = 0; panel < Cfg::kValuePanels; ++panel) {
       ptx::tma_load_4d(do_tile + panel * kBlockM * 128, &maps.dout, bars.do_full(stage), panel * 64, step.head,
                        q_first, batch);
     }

@@ -1,18 +1,19 @@
-// dK and dV of the head-dim-256 backward on Hopper (sm_90a): TMA, mbarriers, wgmma. dQ is
-// bwd_dq_kernel.cuh's, which walks the keys per query block instead: added here per step, it would
-// take 64 KB of fp32 atomics per 64 x 64 step (B12).
+// dK and dV of the Hopper backward (sm_90a) at head dims 192 and 256, also with a narrower V
+// (192 / 128): TMA, mbarriers, wgmma. dQ is bwd_dq_kernel.cuh's, which walks the keys per query
+// block instead: added here per step, it would take 64 KB of fp32 atomics per 64 x 64 step (B12).
 //
 // bwd_kernel.cuh keeps dK and dV of its keys as m64 x H accumulators (keys as rows); at H = 256
 // they would take 256 registers a thread. Here the head dim is the row side of those products:
-//   dV^T += dO^T P    and    dK^T += Q^T dS      (H x keys: the consumers split the 256 rows)
-// so each of the two consumer warp groups keeps 128 rows (two m64 tiles) of dV^T and of dK^T over
-// the CTA's 64 keys: 64 + 64 registers. A CTA owns kBlockN = 64 keys of one kv head and walks the
-// query blocks that see them (common/bwd_walk.cuh), 64 queries a step, as bwd_kernel.cuh does.
+//   dV^T += dO^T P    and    dK^T += Q^T dS      (H x keys: the consumers split the m64 row tiles)
+// The row tiles of both, (H + value dim) / 64 of them, are dealt to the two consumer warp groups
+// (BwdWideConfig::tile_is_dk, tile_row0): at H = 256 four each (128 registers), at 192 three, at
+// 192 / 128 three and two. A CTA owns kBlockN = 64 keys of one kv head and walks the query blocks
+// that see them (common/bwd_walk.cuh), 64 queries a step, as bwd_kernel.cuh does.
 // Per step, each consumer c over its 32 of the CTA's keys (32 c onwards):
 //   S = Q K^T, dP = dO V^T (m64n32), P = exp2(S * scale * log2 e - lse_log2),
 //   dS = P (dP - delta) * scale                          ->  shared memory, [query][key] tiles
 // then, once both halves are in (named barrier kTilesReady), over all 64 keys:
-//   its rows of dV^T += dO^T P and dK^T += Q^T dS (dO^T, Q^T read transposed; P, dS as B operands)
+//   its tiles of dV^T += dO^T P and dK^T += Q^T dS (dO^T, Q^T read transposed; P, dS as B operands)
 // and the next step's S and dP right behind them. P and dS have two buffers each, so no barrier
 // ends a step.
 // With a soft cap (logits.cuh), S becomes the tanh values and dP - delta takes their slope
@@ -43,29 +44,39 @@
 
 namespace jax_flash::sm90 {
 
-template <typename T_>
+template <typename T_, int kHeadDim_ = 256, int kValueDim_ = kHeadDim_>
 struct BwdWideConfig {
   using T = T_;
-  static constexpr int kHeadDim = 256;
-  static constexpr int kConsumers = 2;  // warp groups of 128 head-dim rows
+  static constexpr int kHeadDim = kHeadDim_, kValueDim = kValueDim_;  // of Q and K; of V and dO
+  static_assert(kHeadDim % 64 == 0 && kValueDim % 64 == 0 && kValueDim <= kHeadDim && kHeadDim <= 256,
+                "whole 64-column panels, V no wider than K");
+  static constexpr int kConsumers = 2;
   static constexpr int kBlockN = 64;    // keys a CTA
   static constexpr int kBlockM = 64;    // queries a step
   static_assert(kStatsRowMultiple % kBlockM == 0, "statistics rows are padded to whole query blocks");
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kPanels = kHeadDim / 64;            // 64-column panels of 128-byte rows
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one stage of Q or dO
+  static constexpr int kPanels = kHeadDim / 64, kValuePanels = kValueDim / 64;  // 64-column panels of 128-byte rows
+  static constexpr int kKBytes = kBlockN * kHeadDim * 2, kVBytes = kBlockN * kValueDim * 2;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2, kDoBytes = kBlockM * kValueDim * 2;  // one stage
   static constexpr int kTileBytes = kBlockM * kBlockN * 2;  // P or dS: [query][key], one panel
   static constexpr int kStatBytes = kBlockM * 4;
-  static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDo = kQ + kStages * kQBytes;
+  static constexpr int kK = 0, kV = kKBytes, kQ = kV + kVBytes, kDo = kQ + kStages * kQBytes;
   // P and dS have two buffers each: a step's are stored while the other consumer's products of
   // the step before may still read the last ones.
-  static constexpr int kP = kDo + kStages * kQBytes, kDs = kP + 2 * kTileBytes;
+  static constexpr int kP = kDo + kStages * kDoBytes, kDs = kP + 2 * kTileBytes;
   static constexpr int kLse = kDs + 2 * kTileBytes, kDelta = kLse + kStages * kStatBytes;
   static constexpr int kBarriers = kDelta + kStages * kStatBytes;
   static constexpr int kBiasRegionBytes = 0;  // no bias tiles (make_bwd_tensor_maps)
   static constexpr int kSmemBytes = kBarriers + 8 * (1 + 4 * kStages) + 1024;
+  // The m64 tiles of head-dim rows of dV^T (kValuePanels) and dK^T (kPanels), interleaved by
+  // rows (dV^T 0, dK^T 0, dV^T 64, ...): consumer 0 holds the first kTiles0, consumer 1 the
+  // other kTiles1, 32 registers each.
+  static constexpr int kTiles = kValuePanels + kPanels, kTiles0 = (kTiles + 1) / 2, kTiles1 = kTiles / 2;
+  static constexpr bool tile_is_dk(int tile) { return tile < 2 * kValuePanels ? tile % 2 : true; }
+  static constexpr int tile_row0(int tile) {
+    return 64 * (tile < 2 * kValuePanels ? tile / 2 : tile - kValuePanels);
+  }
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= ptx::launch_registers(kThreads),
                 "registers at launch");
@@ -94,7 +105,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const BwdBarriers<kStages> barriers{sm.barriers()};
 
   // Longest walks first (B19).
-  const auto [n_block, batch, kv_head] = BwdCta::of<true>(p.batch, p.kv_heads);
+  const BwdCta cta = BwdCta::of<true>(p.batch, p.kv_heads);
+  const int n_block = cta.n_block, batch = cta.batch, kv_head = cta.kv_head;  // (lambdas capture these)
   const int group = p.heads / p.kv_heads;
   const int k_first = n_block * kBlockN;
   const Band band = Band::from<kMasked>(p, batch);
@@ -131,137 +143,140 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   };
   const auto logits = Logits<kSoftcap || kBiasCapped ? Cap::kAlways : Cap::kNever>::from(p);
   const float scale_log2 = logits.unit * kLog2e;
-  const int row0 = consumer * 128;  // this consumer's rows of dV^T and dK^T (head-dim columns)
 
-  float dvt[2][32], dkt[2][32];  // two m64 tiles of head-dim rows x 64 keys
+  // The consumer's work, for its kTiles m64 tiles of dV^T and dK^T (head-dim rows x 64 keys) from
+  // tile first_tile (BwdWideConfig): the consumers hold equally many at d = 256 and 192, where one
+  // copy of this code serves both; with a narrower V, consumer 0 one more.
+  auto consume = [&](auto tiles, const int first_tile) {
+    constexpr int kTiles = decltype(tiles)::value;
+    float acc[kTiles][32];
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+    for (int t = 0; t < kTiles; ++t)
 #pragma unroll
-    for (int i = 0; i < 32; ++i) dvt[mt][i] = dkt[mt][i] = 0.f;
+      for (int i = 0; i < 32; ++i) acc[t][i] = 0.f;
 
-  // acc[mt] += X^T B over the step's queries (X: Q or dO, B: P or dS), this consumer's rows.
-  auto issue_transposed_products = [&](float (&acc)[2][32], uint32_t x, uint32_t b) {
-    issue_wide_transposed<Cfg>(acc, x, b, row0);
-  };
-
-  // S = Q K^T and dP = dO V^T of step s over this consumer's 32 keys of the CTA's 64, issued:
-  // queries x keys, k16 steps along the head dim, both operands K-major; the keys start 32 rows
-  // (4 swizzle groups) into each panel.
-  auto issue_scores = [&](float (&s_acc)[16], float (&dp_acc)[16], int s) {
-    const int stage = s % kStages, phase = (s / kStages) & 1;
-    const uint32_t key_rows = consumer_uniform * (kBlockN / 2) * 128;
-    auto issue = [&](float (&acc)[16], uint32_t query_tile, uint32_t keys) {
-      issue_wide_scores<Cfg>(acc, query_tile, keys);
+    // S = Q K^T and dP = dO V^T of step s over this consumer's 32 keys of the CTA's 64, issued:
+    // queries x keys, k16 steps along the head dim, both operands K-major; the keys start 32 rows
+    // (4 swizzle groups) into each panel.
+    auto issue_scores = [&](float (&s_acc)[16], float (&dp_acc)[16], int s) {
+      const int stage = s % kStages, phase = (s / kStages) & 1;
+      const uint32_t key_rows = consumer_uniform * (kBlockN / 2) * 128;
+      ptx::mbarrier_wait(barriers.q_full(stage), phase);
+      issue_wide_scores<Cfg, kHeadDim>(s_acc, sm.q(stage), sK + key_rows);
+      ptx::mbarrier_wait(barriers.do_full(stage), phase);
+      issue_wide_scores<Cfg, Cfg::kValueDim>(dp_acc, sm.d_o(stage), sV + key_rows);
     };
-    ptx::mbarrier_wait(barriers.q_full(stage), phase);
-    issue(s_acc, sm.q(stage), sK + key_rows);
-    ptx::mbarrier_wait(barriers.do_full(stage), phase);
-    issue(dp_acc, sm.d_o(stage), sV + key_rows);
-  };
 
-  // Each step: both consumers compute P and dS of their 32 keys at once and store them; then each
-  // issues its rows of dV^T and dK^T over all 64 keys and, right behind them, the next step's S
-  // and dP, so that the tensor cores have those queued. Every product is waited for inside the
-  // step that issues it: with a wgmma in flight across the loop's back edge, or issued under a
-  // branch, ptxas serialised them all (C7514, C7515), so the last step is a separate copy.
-  float s_acc[16], dp_acc[16];
-  if (walk.steps > 0) {
-    ptx::mbarrier_wait(barriers.kv_full(), 0);
-    issue_scores(s_acc, dp_acc, 0);
-    ptx::wgmma_wait<0>();
-    ptx::fence_registers(s_acc);
-    ptx::fence_registers(dp_acc);
-  }
-  auto do_step = [&](int s, int q_first, int head, auto issue_next) {
-    const int stage = s % kStages;
-    const int key_first = k_first + consumer * (kBlockN / 2);  // this consumer's keys
-    // With a cap, S becomes the tanh values and dP - delta takes their slope, before the masks.
-    if constexpr (kSoftcap) {
+    // Each step: both consumers compute P and dS of their 32 keys at once and store them; then each
+    // issues its rows of dV^T and dK^T over all 64 keys and, right behind them, the next step's S
+    // and dP, so that the tensor cores have those queued. Every product is waited for inside the
+    // step that issues it: with a wgmma in flight across the loop's back edge, or issued under a
+    // branch, ptxas serialised them all (C7514, C7515), so the last step is a separate copy.
+    float s_acc[16], dp_acc[16];
+    if (walk.steps > 0) {
+      ptx::mbarrier_wait(barriers.kv_full(), 0);
+      issue_scores(s_acc, dp_acc, 0);
+      ptx::wgmma_wait<0>();
+      ptx::fence_registers(s_acc);
+      ptx::fence_registers(dp_acc);
+    }
+    auto do_step = [&](int s, int q_first, int head, auto issue_next) {
+      const int stage = s % kStages;
+      const int key_first = k_first + consumer * (kBlockN / 2);  // this consumer's keys
+      // With a cap, S becomes the tanh values and dP - delta takes their slope, before the masks.
+      if constexpr (kSoftcap) {
+        const float delta[2] = {sm.stat(Cfg::kDelta, stage, accum_row(0)), sm.stat(Cfg::kDelta, stage, accum_row(2))};
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          s_acc[i] = logits.value(s_acc[i]);
+          dp_acc[i] = (dp_acc[i] - delta[(i % 4) / 2]) * logits.slope(s_acc[i]);
+        }
+      }
+      // kBiasCapped: the cap comes before the bias, and its slopes are kept apart, as dbias takes
+      // d logit = P (dP - delta) without them.
+      [[maybe_unused]] float slope[kBiasCapped ? 16 : 1];
+      if constexpr (kBiasCapped) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          s_acc[i] = logits.value(s_acc[i]);
+          slope[i] = logits.slope(s_acc[i]);
+        }
+      }
+      if constexpr (kBias) {
+        const int rows[2] = {q_first + accum_row(0), q_first + accum_row(2)};  // this thread's queries
+        add_bias_pairs<T, 4>(LogitBias<T>::from(p, batch, head, logits.unit), s_acc, rows,
+                             key_first + (lane % 4) * 2);
+      }
+      // P, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
+      if (!band.all_visible(q_first, q_first + kBlockM - 1, key_first, key_first + kBlockN / 2 - 1)) {
+        mask_rows(s_acc, band, q_first, key_first, warp, lane);
+      }
+      const float lse[2] = {sm.stat(Cfg::kLse, stage, accum_row(0)), sm.stat(Cfg::kLse, stage, accum_row(2))};
       const float delta[2] = {sm.stat(Cfg::kDelta, stage, accum_row(0)), sm.stat(Cfg::kDelta, stage, accum_row(2))};
+      // P and dS = P (dP - delta) * scale (* slope), into the [query][key] tiles at this consumer's
+      // columns.
+      const uint32_t column_bytes = consumer * (kBlockN / 2) * 2;
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        s_acc[i] = logits.value(s_acc[i]);
-        dp_acc[i] = (dp_acc[i] - delta[(i % 4) / 2]) * logits.slope(s_acc[i]);
-      }
-    }
-    // kBiasCapped: the cap comes before the bias, and its slopes are kept apart, as dbias takes
-    // d logit = P (dP - delta) without them.
-    [[maybe_unused]] float slope[kBiasCapped ? 16 : 1];
-    if constexpr (kBiasCapped) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        s_acc[i] = logits.value(s_acc[i]);
-        slope[i] = logits.slope(s_acc[i]);
-      }
-    }
-    if constexpr (kBias) {
-      const int rows[2] = {q_first + accum_row(0), q_first + accum_row(2)};  // this thread's queries
-      add_bias_pairs<T, 4>(LogitBias<T>::from(p, batch, head, logits.unit), s_acc, rows,
-                           key_first + (lane % 4) * 2);
-    }
-    // P, masked outside the band and past seqlen_k (rows past seqlen_q have lse_log2 = +inf).
-    if (!band.all_visible(q_first, q_first + kBlockM - 1, key_first, key_first + kBlockN / 2 - 1)) {
-      mask_rows(s_acc, band, q_first, key_first, warp, lane);
-    }
-    const float lse[2] = {sm.stat(Cfg::kLse, stage, accum_row(0)), sm.stat(Cfg::kLse, stage, accum_row(2))};
-    const float delta[2] = {sm.stat(Cfg::kDelta, stage, accum_row(0)), sm.stat(Cfg::kDelta, stage, accum_row(2))};
-    // P and dS = P (dP - delta) * scale (* slope), into the [query][key] tiles at this consumer's
-    // columns.
-    const uint32_t column_bytes = consumer * (kBlockN / 2) * 2;
-#pragma unroll
-    for (int i = 0; i < 16; i += 2) {
-      const int r = (i % 4) / 2;
-      const float p0 = ptx::exp2(s_acc[i] * scale_log2 - lse[r]), p1 = ptx::exp2(s_acc[i + 1] * scale_log2 - lse[r]);
-      const uint32_t off = tile_offset(i, column_bytes);
-      ptx::st_shared_b32(sm.p(s) + off, ptx::pack2<T>(p0, p1));
-      if constexpr (kSoftcap) {  // dp_acc holds (dP - delta) * slope
-        ptx::st_shared_b32(sm.ds(s) + off, ptx::pack2<T>(p0 * dp_acc[i] * p.scale, p1 * dp_acc[i + 1] * p.scale));
-      } else if constexpr (!kBias) {
-        ptx::st_shared_b32(sm.ds(s) + off, ptx::pack2<T>(p0 * (dp_acc[i] - delta[r]) * p.scale,
-                                                       p1 * (dp_acc[i + 1] - delta[r]) * p.scale));
-      } else {
-        // d loss / d logit; dS takes the cap's slopes and the scale.
-        const float g0 = p0 * (dp_acc[i] - delta[r]), g1 = p1 * (dp_acc[i + 1] - delta[r]);
-        if constexpr (kBiasCapped) {
-          ptx::st_shared_b32(sm.ds(s) + off, ptx::pack2<T>(g0 * slope[i] * p.scale, g1 * slope[i + 1] * p.scale));
+      for (int i = 0; i < 16; i += 2) {
+        const int r = (i % 4) / 2;
+        const float p0 = ptx::exp2(s_acc[i] * scale_log2 - lse[r]), p1 = ptx::exp2(s_acc[i + 1] * scale_log2 - lse[r]);
+        const uint32_t off = tile_offset(i, column_bytes);
+        ptx::st_shared_b32(sm.p(s) + off, ptx::pack2<T>(p0, p1));
+        if constexpr (kSoftcap) {  // dp_acc holds (dP - delta) * slope
+          ptx::st_shared_b32(sm.ds(s) + off, ptx::pack2<T>(p0 * dp_acc[i] * p.scale, p1 * dp_acc[i + 1] * p.scale));
+        } else if constexpr (!kBias) {
+          ptx::st_shared_b32(sm.ds(s) + off, ptx::pack2<T>(p0 * (dp_acc[i] - delta[r]) * p.scale,
+                                                         p1 * (dp_acc[i + 1] - delta[r]) * p.scale));
         } else {
-          ptx::st_shared_b32(sm.ds(s) + off, ptx::pack2<T>(g0 * p.scale, g1 * p.scale));
-        }
-        if constexpr (kBiasGrad) {
-          // keys k, k + 1 of row q (k even, S even: both in or both out)
-          const int q = q_first + accum_row(i), k = key_first + accum.col(i);
-          if (q < p.seqlen_q && k < p.seqlen_k) BiasGrad::from(p, batch, head).add_pair(q, k, g0, g1);
+          // d loss / d logit; dS takes the cap's slopes and the scale.
+          const float g0 = p0 * (dp_acc[i] - delta[r]), g1 = p1 * (dp_acc[i + 1] - delta[r]);
+          if constexpr (kBiasCapped) {
+            ptx::st_shared_b32(sm.ds(s) + off, ptx::pack2<T>(g0 * slope[i] * p.scale, g1 * slope[i + 1] * p.scale));
+          } else {
+            ptx::st_shared_b32(sm.ds(s) + off, ptx::pack2<T>(g0 * p.scale, g1 * p.scale));
+          }
+          if constexpr (kBiasGrad) {
+            // keys k, k + 1 of row q (k even, S even: both in or both out)
+            const int q = q_first + accum_row(i), k = key_first + accum.col(i);
+            if (q < p.seqlen_q && k < p.seqlen_k) BiasGrad::from(p, batch, head).add_pair(q, k, g0, g1);
+          }
         }
       }
-    }
-    ptx::fence_proxy_async_shared();  // the stores, before wgmma reads them
-    ptx::named_barrier_sync(kTilesReady, kConsumerThreads);
-    // dV^T += dO^T P, dK^T += Q^T dS, then the next step's S and dP.
-    ptx::wgmma_fence();
-    issue_transposed_products(dvt, sm.d_o(stage), sm.p(s));
-    issue_transposed_products(dkt, sm.q(stage), sm.ds(s));
-    if constexpr (decltype(issue_next)::value) issue_scores(s_acc, dp_acc, s + 1);
-    // This step's products have landed (and the next step's S and dP): its Q and dO stage is
-    // free. Each consumer passes the next kTilesReady only after this wait, so once past it the
-    // other's products of this step are complete too: the P and dS buffers of step s + 2 may be
-    // overwritten.
-    ptx::wgmma_wait<0>();
-    ptx::fence_registers(s_acc);
-    ptx::fence_registers(dp_acc);
+      ptx::fence_proxy_async_shared();  // the stores, before wgmma reads them
+      ptx::named_barrier_sync(kTilesReady, kConsumerThreads);
+      // dV^T += dO^T P, dK^T += Q^T dS, then the next step's S and dP.
+      ptx::wgmma_fence();
+      issue_wide_transposed<Cfg, kTiles>(acc, first_tile, sm.q(stage), sm.d_o(stage), sm.p(s), sm.ds(s));
+      if constexpr (decltype(issue_next)::value) issue_scores(s_acc, dp_acc, s + 1);
+      // This step's products have landed (and the next step's S and dP): its Q and dO stage is
+      // free. Each consumer passes the next kTilesReady only after this wait, so once past it the
+      // other's products of this step are complete too: the P and dS buffers of step s + 2 may be
+      // overwritten.
+      ptx::wgmma_wait<0>();
+      ptx::fence_registers(s_acc);
+      ptx::fence_registers(dp_acc);
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) ptx::fence_registers(dvt[mt]), ptx::fence_registers(dkt[mt]);
-    ptx::mbarrier_arrive(barriers.q_empty(stage));
-    ptx::mbarrier_arrive(barriers.do_empty(stage));
-  };
-  BwdStep step = BwdStep::first(walk, kv_head * group);
-  for (int s = 0; s < walk.steps - 1; ++s, step.advance(walk)) {
-    do_step(s, step.m_block * kBlockM, step.head, std::true_type{});
-  }
-  if (walk.steps > 0) do_step(walk.steps - 1, step.m_block * kBlockM, step.head, std::false_type{});
+      for (int t = 0; t < kTiles; ++t) ptx::fence_registers(acc[t]);
+      ptx::mbarrier_arrive(barriers.q_empty(stage));
+      ptx::mbarrier_arrive(barriers.do_empty(stage));
+    };
+    BwdStep step = BwdStep::first(walk, kv_head * group);
+    for (int s = 0; s < walk.steps - 1; ++s, step.advance(walk)) {
+      do_step(s, step.m_block * kBlockM, step.head, std::true_type{});
+    }
+    if (walk.steps > 0) do_step(walk.steps - 1, step.m_block * kBlockM, step.head, std::false_type{});
 
-  // dK^T and dV^T out (bwd/wide_epilogue.cuh).
-  store_wide_dkdv<Cfg, kEpilogue>(&maps.dk, &maps.dv, dkt, dvt, sK, sV, row0, accum_row, accum, consumer, tid,
-                                  kv_head, k_first, batch);
+    // dK^T and dV^T out (bwd/wide_epilogue.cuh).
+    store_wide_dkdv<Cfg, kEpilogue>(&maps.dk, &maps.dv, acc, first_tile, sK, sV, accum_row, accum, consumer, tid,
+                                    kv_head, k_first, batch);
+  };
+  if constexpr (Cfg::kTiles0 == Cfg::kTiles1) {
+    consume(std::integral_constant<int, Cfg::kTiles0>{}, consumer_uniform * Cfg::kTiles0);
+  } else if (consumer == 0) {
+    consume(std::integral_constant<int, Cfg::kTiles0>{}, 0);
+  } else {
+    consume(std::integral_constant<int, Cfg::kTiles1>{}, Cfg::kTiles0);
+  }
 #endif
 }
 

@@ -41,6 +41,9 @@ struct BwdConfig {
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one stage of Q or dO
   static constexpr int kStatBytes = kBlockM * 4;           // one stage of lse_log2 or delta
+  // V and dO as wide as K and Q (bwd_wide_kernel.cuh's BwdWideConfig may make them narrower).
+  static constexpr int kValueDim = kHeadDim, kValuePanels = kPanels;
+  static constexpr int kKBytes = kKVBytes, kVBytes = kKVBytes, kDoBytes = kQBytes;
   // dS^T: 64-query panels of 128-byte rows (keys); with kDqTransposed dS: 64-key panels of
   // 128-byte rows (queries). Two buffers, since dQ reads the other consumer's part (one step's
   // dQ may still read one while the next step writes the other); one with the bias tiles at

@@ -14,8 +14,8 @@ struct DqKernelSharedMemory {
 
   __device__ __forceinline__ uint32_t q() const { return base + Cfg::kQ; }
   __device__ __forceinline__ uint32_t d_o() const { return base + Cfg::kDo; }
-  __device__ __forceinline__ uint32_t k(int stage) const { return base + Cfg::kK + stage * Cfg::kKVBytes; }
-  __device__ __forceinline__ uint32_t v(int stage) const { return base + Cfg::kV + stage * Cfg::kKVBytes; }
+  __device__ __forceinline__ uint32_t k(int stage) const { return base + Cfg::kK + stage * Cfg::kKBytes; }
+  __device__ __forceinline__ uint32_t v(int stage) const { return base + Cfg::kV + stage * Cfg::kVBytes; }
   __device__ __forceinline__ uint32_t qdo_full() const { return base + Cfg::kBarriers; }
   __device__ __forceinline__ uint32_t k_full(int stage) const { return qdo_full() + 8 * (1 + stage); }
   __device__ __forceinline__ uint32_t v_full(int stage) const { return qdo_full() + 8 * (1 + kStages + stage); }

@@ -24,7 +24,7 @@ struct WideSharedMemory {
   __device__ __forceinline__ uint32_t p(int step) const { return base_addr + Cfg::kP + (step % 2) * Cfg::kTileBytes; }
   __device__ __forceinline__ uint32_t ds(int step) const { return base_addr + Cfg::kDs + (step % 2) * Cfg::kTileBytes; }
   __device__ __forceinline__ uint32_t q(int stage) const { return base_addr + Cfg::kQ + stage * Cfg::kQBytes; }
-  __device__ __forceinline__ uint32_t d_o(int stage) const { return base_addr + Cfg::kDo + stage * Cfg::kQBytes; }
+  __device__ __forceinline__ uint32_t d_o(int stage) const { return base_addr + Cfg::kDo + stage * Cfg::kDoBytes; }
   // Row `row`'s statistic (lse at Cfg::kLse, delta at Cfg::kDelta) of a stage.
   __device__ __forceinline__ float stat(int offset, int stage, int row) const {
     return reinterpret_cast<const float*>(base + offset + stage * Cfg::kStatBytes)[row];
