@@ -22,8 +22,10 @@ FWD_HEAD_DIMS = _contract.FWD_HEAD_DIMS
 BWD_HEAD_DIMS = _contract.BWD_HEAD_DIMS  # 192 runs the 256 kernels, zero-padded, but on Hopper:
 # head dims whose backward kernels run only there, without a bias or mask (backward_head_dim).
 HOPPER_BWD_HEAD_DIMS = _contract.BWD_SM90_NO_BIAS_HEAD_DIMS
-# Above 256: the Hopper forward alone (no bias or mask); the gradients from the xla path's backward.
+# Above 256: the forward alone (Hopper's or the mma.sync one; no bias or mask); the gradients from
+# the xla path's backward.
 WIDE_FWD_HEAD_DIMS = _contract.FWD_SM90_WIDE_HEAD_DIMS
+assert WIDE_FWD_HEAD_DIMS == _contract.FWD_SM80_WIDE_HEAD_DIMS, "both families take the same head dims"
 # (query/key, value) head dims with a forward kernel and a backward of their own (Hopper; no bias or mask).
 UNEQUAL_FWD_HEAD_DIMS = _contract.FWD_SM90_UNEQUAL_HEAD_DIMS
 UNEQUAL_BWD_HEAD_DIMS = _contract.BWD_SM90_UNEQUAL_HEAD_DIMS
@@ -82,13 +84,19 @@ def unsupported_reason(call: Call) -> str | None:
 
 
 def _wide_reason(call: Call, capability: tuple[int, int], archs: tuple[str, ...]) -> str | None:
-    """Why the Hopper forward above head dim 256 cannot run `call`, or None."""
+    """Why the forward kernels above head dim 256 (Hopper's, or the mma.sync ones where their
+    shared memory fits) cannot run `call`, or None."""
     widest = _widest_head_dim(call)
-    if not _hopper_kernels_run(capability, archs):
-        return f"head dim {widest} above {FWD_HEAD_DIMS[-1]} runs only on the Hopper (sm_90a) kernels"
     if not _no_bias_or_2d_mask(call):
         return (f"head dim {widest} above {FWD_HEAD_DIMS[-1]} runs without a bias, or a mask that varies along "
                 "both queries and keys, in the kernels (a mask along one of them runs as segment ids)")
+    if _hopper_kernels_run(capability, archs):
+        return None
+    padded = kernel_head_dim(widest, WIDE_FWD_HEAD_DIMS)
+    need, limit = _ffi.extension().sm80_wide_forward_smem_bytes(padded), _ffi.smem_limit()
+    if need > limit:
+        return (f"the mma.sync forward at head dim {padded} needs {need} bytes of shared memory a block; this GPU "
+                f"allows {limit} (the Hopper kernels have no such limit)")
     return None
 
 

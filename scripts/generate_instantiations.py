@@ -24,6 +24,7 @@ HEAD_DIMS = {
     "bwd_sm90": (64, 128, 256),
     "bwd_sm90_no_bias": (192,),  # Hopper backward without a bias or mask; with one, 192 runs the 256 kernels
     "fwd_sm90_wide": (320, 384, 448, 512),  # Hopper forward above 256 (no bias or mask; xla's backward)
+    "fwd_sm80_wide": (320, 384, 448, 512),  # mma.sync forward above 256 (the same)
     "decode": (32, 64, 96, 128, 192, 256),
 }
 # (query/key head dim, value head dim) pairs with kernels of their own; other unequal pairs are
@@ -54,6 +55,8 @@ KERNELS = {  # (kernel, arch) -> (launcher header, launcher, params, head dims, 
                               {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}),
     ("fwd_wide", "sm90"): ("launch/run_sm90_wide_fwd.cuh", "run_wide_fwd_sm90", "FwdParams",
                            HEAD_DIMS["fwd_sm90_wide"], {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}),
+    ("fwd_wide", "sm80"): ("launch/run_sm80_wide_fwd.cuh", "run_wide_fwd_sm80", "FwdParams",
+                           HEAD_DIMS["fwd_sm80_wide"], {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}),
     ("fwd_unequal", "sm90"): ("launch/run_sm90.cuh", "run_unequal_fwd_sm90", "FwdParams",
                               HEAD_DIM_PAIRS["fwd_sm90_unequal"],
                               {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}),

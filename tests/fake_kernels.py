@@ -61,9 +61,11 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
 
 def install(monkeypatch):
     """Make `implementation="cuda"` run on CPU through `call_kernel`."""
-    # What the dispatch asks of the module: shared memory of the mma.sync backward (0: it fits
-    # every GPU; tests of the limit put their own sizes here), and the targets built (the default).
+    # What the dispatch asks of the module: shared memory of the mma.sync backward and of its
+    # forward above 256 (0: they fit every GPU; tests of the limit put their own sizes here), and
+    # the targets built (the default).
     module = types.SimpleNamespace(sm80_backward_smem_bytes=lambda head_dim: 0,
+                                   sm80_wide_forward_smem_bytes=lambda head_dim: 0,
                                    built_archs=",".join(_ffi.DEFAULT_BUILT_ARCHS))
     monkeypatch.setattr(_ffi, "extension", lambda: module)
     monkeypatch.setattr(_ffi, "cuda_device_available", lambda: True)

@@ -321,6 +321,11 @@ def test_the_compact_backward_tiles_fit_the_smaller_gpus():
     for head_dim, limit in {32: ada, 64: ada, 96: ampere, 128: ada, 256: ampere}.items():
         assert 0 < module.sm80_backward_smem_bytes(head_dim) <= limit, head_dim
     assert module.sm80_backward_smem_bytes(96) > ada and module.sm80_backward_smem_bytes(256) > ada
+    # The mma.sync forward above 256 (cuda/sm80/wide_fwd/config.cuh): every head dim within an
+    # A100's, 320 alone within sm_86/89's.
+    for head_dim in (320, 384, 448, 512):
+        assert 0 < module.sm80_wide_forward_smem_bytes(head_dim) <= ampere, head_dim
+        assert (module.sm80_wide_forward_smem_bytes(head_dim) <= ada) == (head_dim == 320), head_dim
 
 
 @pytest.mark.parametrize("case", ["causal", "bias", "lengths_causal"])
@@ -364,20 +369,39 @@ def test_head_dims_above_256_take_the_forward_kernel_and_the_xla_backward(kernel
         jax.grad(_loss("cuda", kw), (0, 1, 2))(q, k, v)
 
 
+@pytest.mark.parametrize("case", ["ampere", "sm80 kernels"])
+def test_head_dims_above_256_run_the_mma_sync_forward_off_hopper(kernel_calls, monkeypatch, case):
+    """Off Hopper (or with JAX_FLASH_KERNELS=sm80) the mma.sync forward runs above 256 where its
+    shared memory fits, with the xla path's values and gradients."""
+    if case == "ampere":
+        monkeypatch.setattr(_ffi, "device_capability", lambda: (8, 0))
+    else:
+        monkeypatch.setenv(_ffi.KERNELS_ENV, "sm80")
+    q, k, v = qkv(rng_for("cuda-path-wide-sm80", case), jnp.bfloat16, 2, 40, 56, 4, 2, 300)
+    kw = {"is_causal": True}
+    assert jax_flash.chosen_implementation(q, k, v, **kw) == "cuda"
+    out = jax_flash.attention(q, k, v, implementation="cuda", **kw)
+    assert reference.rel_error(out, jax_flash.attention(q, k, v, implementation="xla", **kw)) < 1e-2
+    (target, shapes), *_ = kernel_calls
+    assert target == "jax_flash_fwd" and shapes[0] == (2, 40, 4, 320)
+    grads = jax.grad(_loss(None, kw), (0, 1, 2))(q, k, v)
+    for mine, ref in zip(grads, jax.grad(_loss("xla", kw), (0, 1, 2))(q, k, v), strict=True):
+        assert reference.rel_error(mine, ref) < 2e-2
+
+
 @pytest.mark.parametrize("case,reason", [
-    ("ampere", "runs only on the Hopper"), ("sm80 kernels", "runs only on the Hopper"),
+    ("sm_86 at 384", "needs 103424 bytes of shared memory a block; this GPU allows 101376"),
     ("bias", "without a bias"), ("mask over queries and keys", "a mask that varies along both queries and keys"),
     ("576", "head dim 576 is above the largest supported \\(512\\)"),
 ])  # fmt: skip
 def test_head_dims_above_256_elsewhere_take_the_other_paths(kernel_calls, monkeypatch, case, reason):
-    h = 576 if case == "576" else 320
+    h = {"576": 576, "sm_86 at 384": 384}.get(case, 320)
     q = jnp.zeros((1, 16, 2, h), jnp.bfloat16)
     bias = jnp.zeros((1, 2, 16, 16), jnp.float32) if case == "bias" else None
     mask = jnp.tril(jnp.ones((16, 16), bool))[None, None] if case == "mask over queries and keys" else None
-    if case == "ampere":
-        monkeypatch.setattr(_ffi, "device_capability", lambda: (8, 0))
-    if case == "sm80 kernels":
-        monkeypatch.setenv(_ffi.KERNELS_ENV, "sm80")
+    if case == "sm_86 at 384":  # the mma.sync forward's 101 KB at 384 (cuda/sm80/wide_fwd/config.cuh)
+        monkeypatch.setattr(_ffi, "device_capability", lambda: (8, 6))
+        monkeypatch.setattr(_ffi.extension(), "sm80_wide_forward_smem_bytes", lambda head_dim: 103424)
     assert jax_flash.chosen_implementation(q, q, q, bias=bias, mask=mask).startswith("xla")
     with pytest.raises(ValueError, match=reason):
         jax_flash.attention(q, q, q, bias, mask, implementation="cuda")

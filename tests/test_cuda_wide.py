@@ -1,7 +1,8 @@
-"""Head dims above 256 on the Hopper forward kernel (sm90/wide_fwd_kernel.cuh, marked `gpu`): the
-forward against the float64 reference and the xla path, with every mask but a bias and a mask
-over both queries and keys; the gradients of auto mode (the xla path's backward on the kernel's
-residuals) against float64, and implementation="cuda" refusing to differentiate."""
+"""Head dims above 256 on the forward kernels (sm90/wide_fwd_kernel.cuh, and sm80/wide_fwd_kernel.cuh
+forced; marked `gpu`): the forward against the float64 reference and the xla path, with every
+mask but a bias and a mask over both queries and keys; the gradients of auto mode (the xla path's
+backward on the kernel's residuals) against float64, and implementation="cuda" refusing to
+differentiate."""
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +38,16 @@ MASKS = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("family", ["best", "sm80"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("h", [300, 320, 384, 448, 512])
 @pytest.mark.parametrize("mask", sorted(MASKS))
-def test_forward(dtype, h, mask):
-    """T != S and both not multiples of 64 (tails in both), GQA 4 over 2."""
-    hopper_or_skip()
+def test_forward(monkeypatch, family, dtype, h, mask):
+    """T != S and both not multiples of 64 (tails in both), GQA 4 over 2; Hopper's kernel (best)
+    and the mma.sync one (sm80/wide_fwd_kernel.cuh, forced)."""
+    if family == "best":
+        hopper_or_skip()
+    monkeypatch.setenv(_ffi.KERNELS_ENV, family)
     rng = rng_for("cuda-wide", dtype, h, mask)
     b, t, s = 2, 200, 300 if mask != "segments" else 200
     q = jnp.asarray(rng.normal(size=(b, t, 4, h)), dtype)

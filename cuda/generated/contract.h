@@ -35,6 +35,8 @@ using BwdSm90NoBiasHeadDims = std::integer_sequence<int, 192>;
 constexpr bool bwd_sm90_no_bias_supports_head_dim(int d) { return d == 192; }
 using FwdSm90WideHeadDims = std::integer_sequence<int, 320, 384, 448, 512>;
 constexpr bool fwd_sm90_wide_supports_head_dim(int d) { return d == 320 || d == 384 || d == 448 || d == 512; }
+using FwdSm80WideHeadDims = std::integer_sequence<int, 320, 384, 448, 512>;
+constexpr bool fwd_sm80_wide_supports_head_dim(int d) { return d == 320 || d == 384 || d == 448 || d == 512; }
 using DecodeHeadDims = std::integer_sequence<int, 32, 64, 96, 128, 192, 256>;
 constexpr bool decode_supports_head_dim(int d) { return d == 32 || d == 64 || d == 96 || d == 128 || d == 192 || d == 256; }
 // (head dim, value head dim) pairs, flattened.

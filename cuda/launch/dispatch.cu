@@ -8,6 +8,7 @@
 #include "launch/device.h"
 #include "launch/dispatch.h"
 #include "sm80/traits.cuh"
+#include "sm80/wide_fwd/config.cuh"
 #include "sm90/bwd_bias_tiles.cuh"
 
 namespace jax_flash {
@@ -60,21 +61,26 @@ cudaError_t by_variant(const FwdParams& p, Fn&& fn) {
   return fn(std::integral_constant<Variant, Variant::kPlain>{});
 }
 
-// The forwards that run only on Hopper, without a bias or mask: head dims above 256, and unequal
-// query/key and value head dims.
+// The forwards without a bias or mask: head dims above 256 (Hopper's, or the mma.sync ones), and
+// unequal query/key and value head dims (Hopper only).
 template <typename T, Variant kVariant>
-cudaError_t hopper_only_fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
+cudaError_t bias_free_fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
   if constexpr (kVariant == Variant::kEverything) {
     return cudaErrorInvalidValue;
   } else {
-    if (!use_sm90(family)) return cudaErrorInvalidValue;
     if (p.value_dim != p.head_dim) {
+      if (!use_sm90(family)) return cudaErrorInvalidValue;
       return for_head_dim_pair(contract::FwdSm90UnequalHeadDims{}, p.head_dim, p.value_dim, [&](auto h, auto v) {
         return run_unequal_fwd_sm90<T, decltype(h)::value, decltype(v)::value, kVariant>(p, stream);
       });
     }
-    return for_head_dim(contract::FwdSm90WideHeadDims{}, p.head_dim, [&](auto d) {
-      return run_wide_fwd_sm90<T, decltype(d)::value, kVariant>(p, stream);
+    if (use_sm90(family)) {
+      return for_head_dim(contract::FwdSm90WideHeadDims{}, p.head_dim, [&](auto d) {
+        return run_wide_fwd_sm90<T, decltype(d)::value, kVariant>(p, stream);
+      });
+    }
+    return for_head_dim(contract::FwdSm80WideHeadDims{}, p.head_dim, [&](auto d) {
+      return run_wide_fwd_sm80<T, decltype(d)::value, kVariant>(p, stream);
     });
   }
 }
@@ -82,7 +88,7 @@ cudaError_t hopper_only_fwd_for(const FwdParams& p, KernelFamily family, cudaStr
 template <typename T, Variant kVariant>
 cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
   if (p.value_dim != p.head_dim || fwd_sm90_wide_supports_head_dim(p.head_dim)) {
-    return hopper_only_fwd_for<T, kVariant>(p, family, stream);
+    return bias_free_fwd_for<T, kVariant>(p, family, stream);
   }
   const bool sm90 = use_sm90(family) && fwd_sm90_supports_head_dim(p.head_dim);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
@@ -176,6 +182,15 @@ cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, cudaSt
 
 cudaError_t run_decode(DType dtype, const DecodeParams& p, cudaStream_t stream) {
   return dtype == DType::kFloat16 ? decode_for<__half>(p, stream) : decode_for<__nv_bfloat16>(p, stream);
+}
+
+int sm80_wide_forward_smem_bytes(int head_dim) {
+  int bytes = 0;
+  for_head_dim(contract::FwdSm80WideHeadDims{}, head_dim, [&](auto d) {
+    bytes = sm80::WideFwdConfig<__nv_bfloat16, decltype(d)::value>::kSmemBytes;  // the same for fp16
+    return cudaSuccess;
+  });
+  return bytes;
 }
 
 int sm80_backward_smem_bytes(int head_dim) {

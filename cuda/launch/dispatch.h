@@ -12,8 +12,8 @@ enum class DType { kFloat16, kBFloat16 };
 
 // Head dims with kernels (the kernel contract, cuda/generated/contract.h); other sizes are padded
 // up to the next one by the Python layer. The Hopper kernels' head dims are a subset: the others
-// run the sm80 kernels on Hopper too. Above 256 only the Hopper forward runs (fwd_sm90_wide: no
-// bias or mask). Unequal query and value head dims (fwd_sm90_unequal and bwd_sm90_unequal pairs):
+// run the sm80 kernels on Hopper too. Above 256 only the forward runs (fwd_sm90_wide on Hopper,
+// fwd_sm80_wide elsewhere: no bias or mask). Unequal query and value head dims (fwd_sm90_unequal and bwd_sm90_unequal pairs):
 // the Hopper kernels only, without a bias or mask; the Python layer pads other pairs to equal dims.
 // The sm90 backward takes every variant at bwd_sm90's dims (with a bias only where its tiles copy
 // by TMA and fit or, at d = 256, in pairs of keys: dispatch.cu), and all but the bias one at
@@ -41,6 +41,8 @@ cudaError_t run_decode(DType dtype, const DecodeParams& p, cudaStream_t stream);
 // tiles (the compact ones where it has them; 0: no kernel). The Python dispatch weighs it against
 // the GPU's limit (sm_86 and sm_89 allow 99 KB a block, sm_80 163 KB).
 int sm80_backward_smem_bytes(int head_dim);
+// The same for the mma.sync forward at head dims above 256 (0: no kernel).
+int sm80_wide_forward_smem_bytes(int head_dim);
 
 // Declarations of the instantiations in cuda/generated/ (one .cu each), a kernel variant
 // (params.h) each.
@@ -54,6 +56,8 @@ template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_wide_fwd_sm90(const FwdParams& p, cudaStream_t stream);
+template <typename T, int kHeadDim, Variant kVariant>
+cudaError_t run_wide_fwd_sm80(const FwdParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim, int kValueDim, Variant kVariant>
 cudaError_t run_unequal_fwd_sm90(const FwdParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim, int kValueDim, Variant kVariant>
