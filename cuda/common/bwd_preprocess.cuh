@@ -2,7 +2,7 @@
 // accumulator and zeroed dQ turn or ticket counters (XLA hands us uninitialised output buffers).
 // The accumulator has B * N * stats_stride * H floats (params.h), which each kernel family lays
 // out its own way, so it is zeroed whole, H floats per statistics row; dq_accum = nullptr skips it
-// (the d = 256 wgmma backward writes dq without one), and so do dQ tickets (params.h: the first
+// (the d = 192 and 256 wgmma backward writes dq without one), and so do dQ tickets (params.h: the first
 // part of each block is stored, not added).
 #pragma once
 

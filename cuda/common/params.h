@@ -93,7 +93,7 @@ struct BwdParams : FwdParams {
   // float32 scratch of B * stats_stride * N * H elements owned by XLA (an extra output of the
   // call), zeroed by bwd_preprocess: [B, T, N, H] for the atomics of the sm80 kernels,
   // 64 x 64 tiles for sm90/bwd_kernel.cuh (sm90/dq_tiles.cuh). A last kernel turns it into dq.
-  // Unused (and not zeroed) at d = 256 on sm90, whose dQ kernel writes dq itself; not zeroed
+  // Unused (and not zeroed) at d = 192 and 256 on sm90, whose dQ kernel writes dq itself; not zeroed
   // either with dq_tickets.
   float* dq_accum;
   // Per-row statistics, [B, N, stats_stride] float32 scratch with stats_stride >= T a multiple of

@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     };
 
     // Each step: both consumers compute P and dS of their 32 keys at once and store them; then each
-    // issues its rows of dV^T and dK^T over all 64 keys and, right behind them, the next step's S
+    // issues its tiles of dV^T and dK^T over all 64 keys and, right behind them, the next step's S
     // and dP, so that the tensor cores have those queued. Every product is waited for inside the
     // step that issues it: with a wgmma in flight across the loop's back edge, or issued under a
     // branch, ptxas serialised them all (C7514, C7515), so the last step is a separate copy.

@@ -1,7 +1,7 @@
-// Where the d = 256 Hopper dK/dV kernel (bwd_wide_kernel.cuh) keeps its tiles in shared memory,
-// from a base aligned up to the 1024 bytes the 128-byte swizzle repeats over: K and V, two
-// buffers each of P and dS (step parity), kStages of Q, dO and their rows' statistics, then the
-// barriers (offsets in BwdWideConfig).
+// Where the Hopper dK/dV kernel of d = 192 and 256 (bwd_wide_kernel.cuh) keeps its tiles in
+// shared memory, from a base aligned up to the 1024 bytes the 128-byte swizzle repeats over: K and
+// V, two buffers each of P and dS (step parity), kStages of Q, dO and their rows' statistics, then
+// the barriers (offsets in BwdWideConfig).
 #pragma once
 
 #include <cstdint>
