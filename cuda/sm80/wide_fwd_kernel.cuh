@@ -25,6 +25,7 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/row_total.cuh"
+#include "common/split_rows.cuh"
 #include "common/tile.cuh"
 #include "sm80/wide_fwd/config.cuh"
 #include "sm90/fwd/softmax_rows.cuh"  // row operations on the accumulator layout, which mma.sync shares
@@ -48,10 +49,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) wide_fwd_kernel(const FwdPar
 
   extern __shared__ __align__(128) char smem[];
   const uint32_t sQ = ptx::smem_addr(smem), sK = sQ + Cfg::kK, sV = sQ + Cfg::kV, sP = sQ + Cfg::kP;
-  float* const row_stats = reinterpret_cast<float*>(smem + Cfg::kRowStats);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int half = warp / 4, warp_row0 = (warp % 4) * 16;
   const int rows[2] = {warp_row0 + lane / 4, warp_row0 + 8 + lane / 4};  // this thread's, of the tile
+  const SplitRows split{reinterpret_cast<float*>(smem + Cfg::kRowStats), half, {rows[0], rows[1]}, lane % 4 == 0};
 
   // Longest rows first: with a causal band the last query blocks have the most keys.
   const int q_first = (gridDim.x - 1 - blockIdx.x) * kBlockM;
@@ -124,26 +125,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) wide_fwd_kernel(const FwdPar
                                       [&](int n8, int c) -> float& { return s[4 * n8 + 2 * r + c]; });
       }
     }
-    float block_max[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      block_max[r] = sm90::block_row_max(s, r);
-      if (lane % 4 == 0) row_stats[(half * 2 + 0) * 64 + rows[r]] = block_max[r];
-    }
+    const float block_max[2] = {sm90::block_row_max(s, 0), sm90::block_row_max(s, 1)};
+    split.put_max(block_max);
     __syncthreads();  // both halves' maxima; every warp is done with K of block j
     if (j + 1 < blocks) load_block(sK, gK, j + 1);
 
     // 2. P of this warp's keys into the P tile, O rescaled.
-    float rescale[2];
+    float shift[2], rescale[2];
+    split.merge_max(block_max, row_max, scale_log2, shift, rescale);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float other = row_stats[((1 - half) * 2 + 0) * 64 + rows[r]];
-      const float new_max = fmaxf(row_max[r], fmaxf(block_max[r], other));
-      // A row that has seen nothing visible keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
-      const float shift = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-      rescale[r] = ptx::exp2(row_max[r] * scale_log2 - shift);
-      row_max[r] = new_max;
-      row_sum[r] = row_sum[r] * rescale[r] + sm90::exponentiate<0>(s, r, shift, false, logits, scale_log2);
+      row_sum[r] = row_sum[r] * rescale[r] + sm90::exponentiate<0>(s, r, shift[r], false, logits, scale_log2);
     }
 #pragma unroll
     for (int i = 0; i < 8; i += 2) {
@@ -178,16 +170,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) wide_fwd_kernel(const FwdPar
 
   // The rows' sums over both halves' keys, then this warp's columns of O and (half 0) the lse.
   const RowTotal own[2] = {RowTotal(row_sum[0]), RowTotal(row_sum[1])};
-  if (lane % 4 == 0) {
-    row_stats[(half * 2 + 1) * 64 + rows[0]] = own[0].sum;
-    row_stats[(half * 2 + 1) * 64 + rows[1]] = own[1].sum;
-  }
+  split.put_sums(own);
   __syncthreads();
   T* const out = static_cast<T*>(p.o) + (int64_t(batch) * p.seqlen_q + q_first) * q_row_stride +
                  int64_t(head) * kHeadDim + half * kHalfCols + (lane % 4) * 2;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const RowTotal total = own[r].plus(row_stats[((1 - half) * 2 + 1) * 64 + rows[r]]);
+    const RowTotal total = split.total(own[r], r);
     const float inv = total.inv();
     if (rows[r] < rows_valid) {
 #pragma unroll

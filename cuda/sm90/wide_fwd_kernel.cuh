@@ -23,6 +23,7 @@
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
 #include "common/row_total.cuh"
+#include "common/split_rows.cuh"
 #include "sm90/fwd/softmax_rows.cuh"
 #include "sm90/head_dim_product.cuh"
 #include "sm90/wide_fwd/config.cuh"
@@ -30,8 +31,8 @@
 namespace jax_flash::sm90 {
 
 // One consumer warpgroup's part of a tile (the kernel below): S of its 32 keys of each block, and
-// O's kOChunks 64-column panels from first_panel; row_stats: [consumer][max, sum][row] floats in
-// shared memory (Cfg::kRowStats). Every argument by reference or a constant.
+// O's kOChunks 64-column panels from first_panel; row_stats: the consumers' row statistics in
+// shared memory (Cfg::kRowStats, common/split_rows.cuh). Every argument by reference or a constant.
 template <typename Cfg, Variant kVariant, int kOChunks>
 __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, const uint32_t& base,
                                         float* const& row_stats, const int& n_first, const int& blocks,
@@ -45,6 +46,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const AccumulatorLayout accum{lane};
   const int rows[2] = {warp * 16 + accum.row(0), warp * 16 + accum.row(2)};  // this thread's, of the tile
+  const SplitRows split{row_stats, consumer, {rows[0], rows[1]}, lane % 4 == 0};
   using LogitsT = Logits<cap_of(kVariant)>;
   const LogitsT logits = LogitsT::from(p);
   const float scale_log2 = logits.unit * kLog2e;
@@ -86,23 +88,14 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
                                       [&](int n8, int c) -> float& { return s[4 * n8 + 2 * r + c]; });
       }
     }
-    float block_max[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      block_max[r] = block_row_max(s, r);
-      if (lane % 4 == 0) row_stats[(consumer * 2 + 0) * 64 + rows[r]] = block_max[r];
-    }
+    const float block_max[2] = {block_row_max(s, 0), block_row_max(s, 1)};
+    split.put_max(block_max);
     ptx::named_barrier_sync(kMaxima, 256);
-    float rescale[2];
+    float shift[2], rescale[2];
+    split.merge_max(block_max, row_max, scale_log2, shift, rescale);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float other = row_stats[((1 - consumer) * 2 + 0) * 64 + rows[r]];
-      const float new_max = fmaxf(row_max[r], fmaxf(block_max[r], other));
-      // A row that has seen nothing visible keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
-      const float shift = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-      rescale[r] = ptx::exp2(row_max[r] * scale_log2 - shift);
-      row_max[r] = new_max;
-      row_sum[r] = row_sum[r] * rescale[r] + exponentiate<0>(s, r, shift, false, logits, scale_log2);
+      row_sum[r] = row_sum[r] * rescale[r] + exponentiate<0>(s, r, shift[r], false, logits, scale_log2);
     }
 
     // 3. P of this consumer's keys into the tile's P (bf16 pairs, the 128-byte swizzle), O rescaled.
@@ -139,10 +132,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
 
   // The rows' sums over both consumers' keys, then O's panels and (consumer 0) the lse out.
   const RowTotal own[2] = {RowTotal(row_sum[0]), RowTotal(row_sum[1])};
-  if (lane % 4 == 0) {
-    row_stats[(consumer * 2 + 1) * 64 + rows[0]] = own[0].sum;
-    row_stats[(consumer * 2 + 1) * 64 + rows[1]] = own[1].sum;
-  }
+  split.put_sums(own);
   ptx::named_barrier_sync(kSums, 256);
   const int rows_valid = min(kBlockM, p.seqlen_q - q_first);
   const int64_t row_stride = int64_t(p.heads) * Cfg::kHeadDim;
@@ -150,7 +140,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
                  int64_t(head) * Cfg::kHeadDim + first_panel * 64;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const RowTotal total = own[r].plus(row_stats[((1 - consumer) * 2 + 1) * 64 + rows[r]]);
+    const RowTotal total = split.total(own[r], r);
     const float inv = total.inv();
     if (rows[r] < rows_valid) {
 #pragma unroll

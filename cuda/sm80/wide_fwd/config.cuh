@@ -4,6 +4,7 @@
 // 320 on sm_86/89's 99 KB; _ffi.wide_forward_fits).
 #pragma once
 
+#include "common/split_rows.cuh"
 #include "common/tile.cuh"
 
 namespace jax_flash::sm80 {
@@ -21,8 +22,8 @@ struct WideFwdConfig {
   using KTile = SmemTile<kBlockN, kHeadDim>;  // K and V
   using PTile = SmemTile<kBlockM, kBlockN>;
   static constexpr int kQ = 0, kK = QTile::kBytes, kV = kK + KTile::kBytes, kP = kV + KTile::kBytes;
-  static constexpr int kRowStats = kP + PTile::kBytes;  // float [2 halves][2: max, sum][64 rows]
-  static constexpr int kSmemBytes = kRowStats + 2 * 2 * kBlockM * 4;  // 85-133 KB
+  static constexpr int kRowStats = kP + PTile::kBytes;  // the halves' row statistics (common/split_rows.cuh)
+  static constexpr int kSmemBytes = kRowStats + SplitRows::kBytes;  // 85-133 KB
 };
 
 }  // namespace jax_flash::sm80

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "common/ptx_sm90.cuh"
+#include "common/split_rows.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -33,8 +34,8 @@ struct WideFwdConfig {
   static constexpr int kPanelBytes = 64 * 128;
   static constexpr int kTileBytes = kPanels * kPanelBytes;
   static constexpr int kQ = 0, kK = kTileBytes, kV = 2 * kTileBytes, kP = 3 * kTileBytes;
-  static constexpr int kRowStats = kP + kPanelBytes;  // float [2 consumers][2: max, sum][64 rows]
-  static constexpr int kBarriers = kRowStats + 2 * 2 * 64 * 4;
+  static constexpr int kRowStats = kP + kPanelBytes;  // the consumers' row statistics (common/split_rows.cuh)
+  static constexpr int kBarriers = kRowStats + SplitRows::kBytes;
   enum Barrier : int { kQFull, kKFull, kKEmpty, kVFull, kVEmpty, kBarrierCount };
   static constexpr int kSmemBytes = kBarriers + 8 * kBarrierCount + 1024;  // + alignment
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
