@@ -24,13 +24,19 @@ def _problem(rng, dtype, h=192, hv=128, b=2, t=200, s=300):
     return q, k, v
 
 
+@pytest.fixture
+def calls(monkeypatch):
+    """(target, q's and v's head dims) of each kernel call, recorded as the calls are traced."""
+    recorded, call_kernel = [], _ffi.call_kernel
+    monkeypatch.setattr(_ffi, "call_kernel", lambda target, *args: recorded.append(
+        (target, args[1][0].shape[-1], args[1][2].shape[-1])) or call_kernel(target, *args))  # fmt: skip
+    return recorded
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("mask", sorted(MASKS))
-def test_forward(monkeypatch, dtype, mask):
+def test_forward(calls, dtype, mask):
     hopper_or_skip("the (192, 128) forward")
-    calls, call_kernel = [], _ffi.call_kernel  # (target, q's and v's head dims) of each kernel call
-    monkeypatch.setattr(_ffi, "call_kernel", lambda target, *args: calls.append(
-        (target, args[1][0].shape[-1], args[1][2].shape[-1])) or call_kernel(target, *args))  # fmt: skip
     rng = rng_for("cuda-unequal", dtype, mask)
     s = 200 if mask == "segments" else 300
     q, k, v = _problem(rng, dtype, s=s)
@@ -48,12 +54,9 @@ def test_forward(monkeypatch, dtype, mask):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("mask", sorted(MASKS))
-def test_gradients(monkeypatch, dtype, mask):
+def test_gradients(calls, dtype, mask):
     """The (192, 128) backward of its own (V, dO and dV of 128 columns)."""
     hopper_or_skip("the (192, 128) kernels")
-    calls, call_kernel = [], _ffi.call_kernel  # (target, q's and v's head dims) of each kernel call
-    monkeypatch.setattr(_ffi, "call_kernel", lambda target, *args: calls.append(
-        (target, args[1][0].shape[-1], args[1][2].shape[-1])) or call_kernel(target, *args))  # fmt: skip
     rng = rng_for("cuda-unequal-grad", dtype, mask)
     q, k, v = _problem(rng, dtype, t=150, s=150 if mask == "segments" else 170)
     kw = MASKS[mask](2, 150, k.shape[1], rng)
