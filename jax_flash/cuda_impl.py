@@ -20,7 +20,7 @@ from jax_flash._validation import AttentionConfig, Call
 
 FWD_HEAD_DIMS = _contract.FWD_HEAD_DIMS
 BWD_HEAD_DIMS = _contract.BWD_HEAD_DIMS  # 192 runs the 256 kernels, zero-padded, but on Hopper:
-# head dims whose backward kernels run only there, without a bias or mask (backward_head_dim).
+# head dims whose backward kernels run only there, without a bias or mask (backward_head_dims).
 HOPPER_BWD_HEAD_DIMS = _contract.BWD_SM90_NO_BIAS_HEAD_DIMS
 # Above 256: the forward alone (Hopper's or the mma.sync one; no bias or mask); the gradients from
 # the xla path's backward.
@@ -124,8 +124,8 @@ def backward_head_dims(head_dim: int, value_dim: int, bias_or_mask: bool) -> tup
 
 
 def _no_bias_or_2d_mask(call: Call) -> bool:
-    """No bias, and no mask but one along one axis (which runs as segment ids): what the Hopper-only
-    forwards take."""
+    """No bias, and no mask but one along one axis (which runs as segment ids): what the forwards
+    above 256 and of unequal head dims take (and the Hopper backward at 192)."""
     return call.bias is None and (call.mask is None or mask_runs_as_segments(call))
 
 
