@@ -2,7 +2,8 @@
 // holding its handler, which jax_flash/_ffi.py registers with jax.ffi.register_ffi_target;
 // `built_archs` names the targets compiled (CMakeLists.txt), e.g. "80,90a";
 // `sm80_backward_smem_bytes(head_dim)` the shared memory of a block of the mma.sync backward,
-// `sm80_wide_forward_smem_bytes(head_dim)` that of the mma.sync forward above 256.
+// `sm80_forward_smem_bytes(head_dim)` and `sm80_wide_forward_smem_bytes(head_dim)` those of the
+// mma.sync forward up to 256 and above.
 #include <nanobind/nanobind.h>
 
 #include "ffi/handlers.h"
@@ -20,5 +21,6 @@ NB_MODULE(_cuda, m) {
   });
   m.attr("built_archs") = JAX_FLASH_BUILT_ARCHS;
   m.def("sm80_backward_smem_bytes", &jax_flash::sm80_backward_smem_bytes);
+  m.def("sm80_forward_smem_bytes", &jax_flash::sm80_forward_smem_bytes);
   m.def("sm80_wide_forward_smem_bytes", &jax_flash::sm80_wide_forward_smem_bytes);
 }

@@ -2,6 +2,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "common/bias.cuh"
@@ -182,6 +183,20 @@ cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, cudaSt
 
 cudaError_t run_decode(DType dtype, const DecodeParams& p, cudaStream_t stream) {
   return dtype == DType::kFloat16 ? decode_for<__half>(p, stream) : decode_for<__nv_bfloat16>(p, stream);
+}
+
+int sm80_forward_smem_bytes(int head_dim) {
+  int bytes = 0;
+  for_head_dim(contract::FwdHeadDims{}, head_dim, [&](auto d) {
+    constexpr int kHeadDim = decltype(d)::value;
+    using T = __nv_bfloat16;  // the same for fp16
+    bytes = std::max({sm80::FwdConfig<T, kHeadDim, Variant::kPlain>::kSmemBytes,
+                      sm80::FwdConfig<T, kHeadDim, Variant::kMasked>::kSmemBytes,
+                      sm80::FwdConfig<T, kHeadDim, Variant::kSoftcap>::kSmemBytes,
+                      sm80::FwdConfig<T, kHeadDim, Variant::kEverything>::kSmemBytes});
+    return cudaSuccess;
+  });
+  return bytes;
 }
 
 int sm80_wide_forward_smem_bytes(int head_dim) {

@@ -41,7 +41,9 @@ cudaError_t run_decode(DType dtype, const DecodeParams& p, cudaStream_t stream);
 // tiles (the compact ones where it has them; 0: no kernel). The Python dispatch weighs it against
 // the GPU's limit (sm_86 and sm_89 allow 99 KB a block, sm_80 163 KB).
 int sm80_backward_smem_bytes(int head_dim);
-// The same for the mma.sync forward at head dims above 256 (0: no kernel).
+// The same for the mma.sync forward: at most 96 KB at every head dim up to 256, the largest over
+// its variants; above 256 (the wide kernel) 85-133 KB. 0: no kernel.
+int sm80_forward_smem_bytes(int head_dim);
 int sm80_wide_forward_smem_bytes(int head_dim);
 
 // Declarations of the instantiations in cuda/generated/ (one .cu each), a kernel variant
