@@ -101,8 +101,9 @@ def _wide_reason(call: Call, capability: tuple[int, int], archs: tuple[str, ...]
 
 
 def _hopper_kernels_run(capability: tuple[int, int], archs: tuple[str, ...]) -> bool:
-    """Whether the Hopper-only forwards (above 256, unequal head dims) can run: a 9.0 GPU, sm_90a
-    code built, and the kernel family not forced to sm80."""
+    """Whether the Hopper-only kernels (the forward above 256 and of unequal head dims, the backward
+    at 192 and of unequal head dims) can run: a 9.0 GPU, sm_90a code built, and the kernel family
+    not forced to sm80."""
     return capability == (9, 0) and "90a" in archs and _ffi.kernel_family() == _ffi.KERNEL_FAMILIES["best"]
 
 

@@ -46,23 +46,23 @@ CONSTANTS = {
 # The int32 fields of one segment-chunk summary (jax_flash/_masks.py writes them, mask.cuh reads).
 MASK_CHUNK_FIELDS = ("segment_min", "segment_max", "other_begin", "other_end", "one_begin", "one_end")
 VARIANTS = {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap", "_bias": "kEverything"}  # suffix -> Variant
+# The kernels that take no bias or mask (above 256, unequal head dims, the Hopper backward at 192).
+BIAS_FREE_VARIANTS = {suffix: variant for suffix, variant in VARIANTS.items() if variant != "kEverything"}
 KERNELS = {  # (kernel, arch) -> (launcher header, launcher, params, head dims, variants)
     ("fwd", "sm80"): ("launch/run_sm80.cuh", "run_fwd_sm80", "FwdParams", HEAD_DIMS["fwd"], VARIANTS),
     ("bwd", "sm80"): ("launch/run_sm80.cuh", "run_bwd_sm80", "BwdParams", HEAD_DIMS["bwd"], VARIANTS),
     ("fwd", "sm90"): ("launch/run_sm90.cuh", "run_fwd_sm90", "FwdParams", HEAD_DIMS["fwd_sm90"], VARIANTS),
     ("bwd", "sm90"): ("launch/run_sm90.cuh", "run_bwd_sm90", "BwdParams", HEAD_DIMS["bwd_sm90"], VARIANTS),
     ("bwd_no_bias", "sm90"): ("launch/run_sm90.cuh", "run_bwd_sm90", "BwdParams", HEAD_DIMS["bwd_sm90_no_bias"],
-                              {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}),
+                              BIAS_FREE_VARIANTS),
     ("fwd_wide", "sm90"): ("launch/run_sm90_wide_fwd.cuh", "run_wide_fwd_sm90", "FwdParams",
-                           HEAD_DIMS["fwd_sm90_wide"], {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}),
+                           HEAD_DIMS["fwd_sm90_wide"], BIAS_FREE_VARIANTS),
     ("fwd_wide", "sm80"): ("launch/run_sm80_wide_fwd.cuh", "run_wide_fwd_sm80", "FwdParams",
-                           HEAD_DIMS["fwd_sm80_wide"], {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}),
+                           HEAD_DIMS["fwd_sm80_wide"], BIAS_FREE_VARIANTS),
     ("fwd_unequal", "sm90"): ("launch/run_sm90.cuh", "run_unequal_fwd_sm90", "FwdParams",
-                              HEAD_DIM_PAIRS["fwd_sm90_unequal"],
-                              {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}),
+                              HEAD_DIM_PAIRS["fwd_sm90_unequal"], BIAS_FREE_VARIANTS),
     ("bwd_unequal", "sm90"): ("launch/run_sm90.cuh", "run_unequal_bwd_sm90", "BwdParams",
-                              HEAD_DIM_PAIRS["bwd_sm90_unequal"],
-                              {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap"}),
+                              HEAD_DIM_PAIRS["bwd_sm90_unequal"], BIAS_FREE_VARIANTS),
     # Decode reads key lengths always, never segment ids or a bias: two variants.
     ("decode", "sm80"): ("launch/run_decode.cuh", "run_decode", "DecodeParams", HEAD_DIMS["decode"],
                          {"": "kMasked", "_softcap": "kSoftcap"}),

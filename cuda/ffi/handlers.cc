@@ -225,8 +225,8 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   DType dtype;
   if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p, -1, /*value_dim_may_differ=*/true); e.failure()) return e;
   if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, &p); e.failure()) return e;
-  if (p.value_dim != p.head_dim ? !bwd_sm90_unequal_supports_head_dims(p.head_dim, p.value_dim)
-                                : !bwd_supports_head_dim(p.head_dim) && !bwd_sm90_no_bias_supports_head_dim(p.head_dim)) {
+  const bool equal_dims_ok = bwd_supports_head_dim(p.head_dim) || bwd_sm90_no_bias_supports_head_dim(p.head_dim);
+  if (p.value_dim != p.head_dim ? !bwd_sm90_unequal_supports_head_dims(p.head_dim, p.value_dim) : !equal_dims_ok) {
     return ffi::Error::InvalidArgument("jax_flash: no backward kernel for head dims " + std::to_string(p.head_dim) +
                                        " (query, key) and " + std::to_string(p.value_dim) + " (value)");
   }

@@ -13,8 +13,9 @@ enum class DType { kFloat16, kBFloat16 };
 // Head dims with kernels (the kernel contract, cuda/generated/contract.h); other sizes are padded
 // up to the next one by the Python layer. The Hopper kernels' head dims are a subset: the others
 // run the sm80 kernels on Hopper too. Above 256 only the forward runs (fwd_sm90_wide on Hopper,
-// fwd_sm80_wide elsewhere: no bias or mask). Unequal query and value head dims (fwd_sm90_unequal and bwd_sm90_unequal pairs):
-// the Hopper kernels only, without a bias or mask; the Python layer pads other pairs to equal dims.
+// fwd_sm80_wide elsewhere: no bias or mask). Unequal query and value head dims (fwd_sm90_unequal
+// and bwd_sm90_unequal pairs): the Hopper kernels only, without a bias or mask; the Python layer
+// pads other pairs to equal dims.
 // The sm90 backward takes every variant at bwd_sm90's dims (with a bias only where its tiles copy
 // by TMA and fit or, at d = 256, in pairs of keys: dispatch.cu), and all but the bias one at
 // bwd_sm90_no_bias's (192; with a bias the Python layer pads it to 256).
