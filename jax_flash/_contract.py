@@ -9,6 +9,8 @@ BWD_SM90_NO_BIAS_HEAD_DIMS = (192,)
 FWD_SM90_WIDE_HEAD_DIMS = (320, 384, 448, 512)
 FWD_SM80_WIDE_HEAD_DIMS = (320, 384, 448, 512)
 DECODE_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+FWD_SM75_HEAD_DIMS = (64, 96, 128)
+BWD_SM75_HEAD_DIMS = (64, 96, 128)
 FWD_SM90_UNEQUAL_HEAD_DIMS = ((192, 128),)  # (head dim, value head dim)
 BWD_SM90_UNEQUAL_HEAD_DIMS = ((192, 128),)  # (head dim, value head dim)
 
@@ -19,5 +21,6 @@ FWD_SCRATCH_TILE_ROWS = 128  # the sm90 forward's scratch holds two entries a ti
 DECODE_TILE_ROWS = 16  # packed query rows of one decode CTA (one m16 tile)
 DECODE_BLOCK_KEYS = 16  # keys a decode warp reads a step; pages are whole multiples of it
 MAX_DECODE_SPLITS = 128  # splits of a decode tile's keys, at most
+DQ_COUNTER_ROWS = 32  # query rows per dQ turn or ticket counter: at most the smallest query block
 
 MASK_CHUNK_FIELDS = ('segment_min', 'segment_max', 'other_begin', 'other_end', 'one_begin', 'one_end')

@@ -29,7 +29,7 @@ def extension():
         return None
 
 
-DEFAULT_BUILT_ARCHS = ("80", "90a", "80-virtual")  # CMakeLists.txt's default list
+DEFAULT_BUILT_ARCHS = ("75", "80", "90a", "80-virtual")  # CMakeLists.txt's default list
 # A module from before it named its targets was built for the default list of then.
 UNNAMED_BUILT_ARCHS = ("80", "90a")
 
@@ -112,10 +112,14 @@ def _window_attrs(config) -> dict:
 
 
 # Which kernels a call may use (read when a call is traced): "best" (the Hopper kernels on sm_90,
-# the mma.sync kernels elsewhere) or "sm80" (the mma.sync kernels everywhere, so that they stay
-# tested on Hopper).
+# the Turing ones on sm_75, the mma.sync kernels elsewhere), "sm80" (the mma.sync kernels
+# everywhere, so that they stay tested on Hopper) or "sm75" (the Turing kernels, which the build
+# also compiles for Hopper to test them there).
 KERNELS_ENV = "JAX_FLASH_KERNELS"
-KERNEL_FAMILIES = {"best": 0, "sm80": 80}
+KERNEL_FAMILIES = {"best": 0, "sm80": 80, "sm75": 75}
+# The targets the Turing family is compiled for, of those built (CMakeLists.txt): its own, and
+# Hopper's for its tests.
+TURING_FAMILY_ARCHS = ("75", "90a")
 
 
 def kernel_family() -> int:
@@ -125,11 +129,18 @@ def kernel_family() -> int:
     return KERNEL_FAMILIES[name]
 
 
+def turing_kernels_run() -> bool:
+    """Whether calls take the Turing family (fp16, head dims 64-128, no bias): on a 7.x GPU, or
+    forced (JAX_FLASH_KERNELS=sm75)."""
+    family = kernel_family()
+    return family == KERNEL_FAMILIES["sm75"] or (family == KERNEL_FAMILIES["best"] and device_capability()[0] == 7)
+
+
 # Shared memory a block may opt in to, by compute capability (the CUDA programming guide); other
-# GPUs are taken as the smallest of these. The Hopper kernels run on 9.0 alone; the mma.sync
+# GPUs are taken as the smallest of those from 8.0 on. The Hopper kernels run on 9.0 alone; the mma.sync
 # backward's usual tiles take 114-209 KB a block, more than sm_86 and sm_89 allow, its compact
 # ones 65-145 KB (none at d = 96).
-SMEM_OPTIN_BY_CAPABILITY = {(8, 0): 166912, (8, 7): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448,
+SMEM_OPTIN_BY_CAPABILITY = {(7, 5): 65536, (8, 0): 166912, (8, 7): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448,
                             (10, 0): 232448, (10, 3): 232448, (12, 0): 101376, (12, 1): 101376}
 # A number of bytes: the limit the dispatch assumes instead of the GPU's (read when a call is
 # traced). With JAX_FLASH_KERNELS=sm80 on an H100, 101376 runs the mma.sync kernels as an sm_86 or
@@ -150,7 +161,7 @@ def forced_smem_limit() -> int:
 
 def smem_limit() -> int:
     """Bytes of shared memory a block may use on the default GPU, as the dispatch assumes."""
-    fallback = min(SMEM_OPTIN_BY_CAPABILITY.values())
+    fallback = min(limit for capability, limit in SMEM_OPTIN_BY_CAPABILITY.items() if capability >= (8, 0))
     return forced_smem_limit() or SMEM_OPTIN_BY_CAPABILITY.get(device_capability(), fallback)
 
 
@@ -158,7 +169,9 @@ def backward_kernels_fit(head_dim: int) -> bool:
     """Whether the backward kernels that run a (kernel) head dim on the default GPU fit its shared
     memory: the Hopper ones on 9.0 (227 KB), unless JAX_FLASH_KERNELS=sm80; the mma.sync ones
     wherever their smallest tiles' bytes a block (the compact ones, cuda/sm80/traits.cuh) are
-    within smem_limit(). Their launcher takes the largest tiles that fit."""
+    within smem_limit(). Their launcher takes the largest tiles that fit. The Turing ones likewise."""
+    if turing_kernels_run():
+        return extension().sm75_backward_smem_bytes(head_dim) <= smem_limit()
     hopper_dims = _contract.BWD_SM90_HEAD_DIMS + _contract.BWD_SM90_NO_BIAS_HEAD_DIMS
     hopper = device_capability() == (9, 0) and kernel_family() == 0 and head_dim in hopper_dims
     if hopper:
@@ -303,7 +316,7 @@ def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, 
                 jax.ShapeDtypeStruct((b, padded_t, n, q.shape[3]), jnp.float32),  # dQ accumulator scratch
                 stats,  # delta = rowsum(dO * O) - dlse
                 stats,  # lse in base 2
-                jax.ShapeDtypeStruct((b, n, padded_t // 64), jnp.int32),  # dQ turn counters (deterministic mode)
+                jax.ShapeDtypeStruct((b, n, padded_t // _contract.DQ_COUNTER_ROWS), jnp.int32),  # dQ turn counters
                 jax.ShapeDtypeStruct(_dbias_shape(bias, q, k) if want_dbias else (b, 0, 0, 0), jnp.float32),
             )
             operands = (q, k, v, out, lse, d_out, d_lse, *masks, bias, mask)

@@ -31,11 +31,14 @@ UNEQUAL_FWD_HEAD_DIMS = _contract.FWD_SM90_UNEQUAL_HEAD_DIMS
 UNEQUAL_BWD_HEAD_DIMS = _contract.BWD_SM90_UNEQUAL_HEAD_DIMS
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16)
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
-# The oldest GPU our kernel families run on: Turing (7.x) lacks their instructions (bf16 mma.sync,
-# cp.async). Blackwell and later run the mma.sync kernels from the PTX of the default build (not
-# tested on such a GPU). Which GPUs an install has code for is _ffi.has_machine_code's question
-# (its targets, e.g. sm_80, sm_90a and compute_80's PTX).
-MIN_KERNEL_CAPABILITY = (8, 0)
+# The oldest GPU our kernel families run on: Turing (7.5), whose family (fp16 only, no bf16 tensor
+# cores) takes head dims up to 128 (TURING_HEAD_DIMS, smaller ones padded up) without a bias.
+# Blackwell and later run the mma.sync kernels from the PTX of the default build (not tested on
+# such a GPU). Which GPUs an install has code for is _ffi.has_machine_code's question (its
+# targets, e.g. sm_75, sm_80, sm_90a and compute_80's PTX).
+MIN_KERNEL_CAPABILITY = (7, 5)
+TURING_HEAD_DIMS = _contract.FWD_SM75_HEAD_DIMS
+assert TURING_HEAD_DIMS == _contract.BWD_SM75_HEAD_DIMS, "the Turing backward takes its forward's head dims"
 
 
 def grid_fits(batch_heads: int) -> bool:
@@ -61,13 +64,21 @@ def unsupported_reason(call: Call) -> str | None:
         return "the default JAX backend is not a CUDA GPU"
     major, minor = _ffi.device_capability()
     if (major, minor) < MIN_KERNEL_CAPABILITY:
-        return f"the kernels need compute capability 8.0 or newer (Ampere and later); this GPU is {major}.{minor}"
+        return f"the kernels need compute capability 7.5 or newer (Turing and later); this GPU is {major}.{minor}"
     archs = _ffi.built_archs()
+    turing = _ffi.turing_kernels_run()
+    if turing:
+        archs = tuple(a for a in archs if a in _ffi.TURING_FAMILY_ARCHS)  # (CMakeLists.txt)
     if not _ffi.has_machine_code((major, minor), archs):
-        return (f"this install of jax_flash has machine code for sm_{', sm_'.join(archs)}, none of which runs on "
-                f"this GPU ({major}.{minor}); reinstall with JAX_FLASH_CUDA_ARCHS=native or a list with it")
+        kernels = "its Turing kernels have" if turing else "it has"
+        listed = f"sm_{', sm_'.join(archs)}" if archs else "no target"
+        return (f"as installed, jax_flash's kernels cannot run here: {kernels} machine code for {listed}, none of "
+                f"which runs on this GPU ({major}.{minor}); reinstall with JAX_FLASH_CUDA_ARCHS=native or a list "
+                "with it")
     if call.query.dtype not in KERNEL_DTYPES:
         return f"the kernels take float16 or bfloat16, got {call.query.dtype}"
+    if turing and (reason := _turing_reason(call)):
+        return reason
     widest = _widest_head_dim(call)
     if kernel_head_dim(widest, FWD_HEAD_DIMS + WIDE_FWD_HEAD_DIMS) is None:
         return f"head dim {widest} is above the largest supported ({WIDE_FWD_HEAD_DIMS[-1]})"
@@ -80,6 +91,18 @@ def unsupported_reason(call: Call) -> str | None:
         if not grid_fits(b * heads):
             return (f"batch x heads ({b} x {heads} = {b * heads}) has no split into the CUDA grid's y x z "
                     f"of at most {MAX_GRID_YZ} each")
+    return None
+
+
+def _turing_reason(call: Call) -> str | None:
+    """Why the Turing family (on sm_75, or forced with JAX_FLASH_KERNELS=sm75) cannot run `call`, or None."""
+    if call.query.dtype != jnp.float16:
+        return f"on Turing (sm_75) the kernels take float16 only (its tensor cores have no bfloat16), got {call.query.dtype}"
+    if _widest_head_dim(call) > TURING_HEAD_DIMS[-1]:
+        return f"on Turing (sm_75) the kernels take head dims up to {TURING_HEAD_DIMS[-1]}, got {_widest_head_dim(call)}"
+    if not _no_bias_or_2d_mask(call):
+        return ("on Turing (sm_75) the kernels take no bias, and no mask that varies along both queries and keys "
+                "(a mask along one of them runs as segment ids)")
     return None
 
 
@@ -113,6 +136,9 @@ def backward_head_dims(head_dim: int, value_dim: int, bias_or_mask: bool) -> tup
     None above them. Where the Hopper kernels run a call with no bias or 2-d mask (`bias_or_mask`
     False): also the head dims of HOPPER_BWD_HEAD_DIMS (192) and the pairs of UNEQUAL_BWD_HEAD_DIMS;
     elsewhere BWD_HEAD_DIMS' (192 takes 256), V padded to the same."""
+    if _ffi.turing_kernels_run():
+        padded = kernel_head_dim(head_dim, TURING_HEAD_DIMS)
+        return None if padded is None else (padded, padded)
     dims = BWD_HEAD_DIMS
     hopper = not bias_or_mask and _hopper_kernels_run(_ffi.device_capability(), _ffi.built_archs())
     if hopper:
@@ -137,6 +163,8 @@ def paged_reason(call: Call, page_size: int) -> str | None:
     if reason is not None:
         return reason
     b, t, n, h = call.query.shape
+    if _ffi.turing_kernels_run():
+        return "the decode kernels run from sm_80 on (Turing gathers the pages and takes its forward kernels)"
     if not _decode.takes(b, t, n, call.key.shape[2], masks_beyond_key_lengths=False):
         return f"the decode kernels take at most {_decode.MAX_QUERIES} queries (and grids within CUDA's limits)"
     if page_size % _decode.BLOCK_KEYS:
@@ -167,6 +195,9 @@ def forward_head_dims(call: Call) -> tuple[int, int]:
     Hopper kernels run and the call has no bias and no mask over both axes, and is no decode call
     (the decode kernels, at the wider dim, read the cache faster), else the widest's kernel for both."""
     h, hv = call.query.shape[-1], call.value.shape[-1]
+    if _ffi.turing_kernels_run():
+        padded = kernel_head_dim(_widest_head_dim(call), TURING_HEAD_DIMS)
+        return padded, padded
     widest = kernel_head_dim(_widest_head_dim(call), FWD_HEAD_DIMS + WIDE_FWD_HEAD_DIMS)
     if hv < h:
         pair = (kernel_head_dim(h), kernel_head_dim(hv))
@@ -183,6 +214,8 @@ def _runs_decode(query_shape: tuple, kv_heads: int, value_dim: int, beyond_key_l
     """Whether a call of these (padded) shapes runs on the decode kernels: equal head dims with
     decode kernels, and a shape and masks that `_decode.takes`."""
     b, t, n, h = query_shape
+    if _ffi.turing_kernels_run():  # no decode kernels there (mma.sync m16n8k16): the forward's
+        return False
     decode_dims = h in _contract.DECODE_HEAD_DIMS and value_dim == h
     return decode_dims and _decode.takes(b, t, n, kv_heads, masks_beyond_key_lengths=beyond_key_lengths)
 
@@ -252,7 +285,7 @@ def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, 
     if kernel_head_dim(_widest_head_dim(call), BWD_HEAD_DIMS) is None:  # above 256: no backward kernels
         return _xla_backward(call, out, lse, d_out, d_lse)[:3]
     call = mask_as_segments(call)
-    padded = kernel_head_dim(_widest_head_dim(call))
+    padded = forward_head_dims(call)[0] if _ffi.turing_kernels_run() else kernel_head_dim(_widest_head_dim(call))
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))
     masks = _mask_arrays(call)
     residuals = (q, k, v, *_bias_arrays(call), None, out, lse.transpose(0, 2, 1), masks, _kernel_masks(q, k, *masks))

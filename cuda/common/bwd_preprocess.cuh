@@ -13,6 +13,7 @@
 
 #include "common/params.h"
 #include "common/ptx.cuh"
+#include "generated/contract.h"
 
 namespace jax_flash {
 
@@ -33,7 +34,10 @@ struct BwdPreprocessShape {
   static constexpr int kRowsPerBlock = kWarps * kRowsPerPass * kPasses;
 };
 
-template <typename T, int kHeadDim>
+// kFamily (75, 80 or 90): the kernel family that launches it. Each family's files compile for
+// their own targets (CMakeLists.txt), so each needs its own copy of this kernel, a symbol of its own:
+// copies of one symbol compiled for different targets would leave which one runs to the linker.
+template <typename T, int kHeadDim, int kFamily>
 __global__ void __launch_bounds__(32 * BwdPreprocessShape<kHeadDim>::kWarps) bwd_preprocess(const BwdParams p) {
   using Shape = BwdPreprocessShape<kHeadDim>;
   constexpr int kChunks = Shape::kChunks, kLanesPerRow = Shape::kLanesPerRow, kPasses = Shape::kPasses;
@@ -78,7 +82,8 @@ __global__ void __launch_bounds__(32 * BwdPreprocessShape<kHeadDim>::kWarps) bwd
   for (int pass = 0; pass < kPasses; ++pass) {
     const Row r = row_of(pass);
     if (r.index >= rows) break;
-    if (counters != nullptr && r.q % 64 == 0 && chunk == 0) counters[stats_of(r) / 64] = 0;
+    constexpr int kCounterRows = contract::kDqCounterRows;
+    if (counters != nullptr && r.q % kCounterRows == 0 && chunk == 0) counters[stats_of(r) / kCounterRows] = 0;
     // The accumulator is zeroed whole, so in memory order too.
     if (p.dq_accum != nullptr && p.dq_tickets == nullptr && chunk < kChunks) {
       float4* acc = reinterpret_cast<float4*>(p.dq_accum + (int64_t(batch) * rows + r.index) * kHeadDim + chunk * 8);
@@ -113,13 +118,13 @@ __global__ void __launch_bounds__(32 * BwdPreprocessShape<kHeadDim>::kWarps) bwd
   }
 }
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, int kFamily>
 cudaError_t launch_bwd_preprocess(const BwdParams& p, cudaStream_t stream) {
   using Shape = BwdPreprocessShape<kHeadDim>;
   const int64_t rows = int64_t(p.stats_stride) * p.heads;  // a batch row's
   const int64_t blocks = (rows + Shape::kRowsPerBlock - 1) / Shape::kRowsPerBlock * p.batch;
   if (rows > INT32_MAX || blocks > INT32_MAX) return cudaErrorInvalidValue;
-  bwd_preprocess<T, kHeadDim><<<blocks, 32 * Shape::kWarps, 0, stream>>>(p);
+  bwd_preprocess<T, kHeadDim, kFamily><<<blocks, 32 * Shape::kWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -5,6 +5,7 @@
 
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
+#include "generated/contract.h"
 
 namespace jax_flash {
 
@@ -41,7 +42,7 @@ __device__ inline int first_key_block(const Band& band, int m, int block_m, int 
 // deterministic mode ignore them).
 __device__ __noinline__ inline int* wait_dq_turn(int* turns_row, Band band, int m, int n, int block_m,
                                                  int block_n) {
-  int* turn = turns_row + m * (block_m / 64);
+  int* turn = turns_row + m * (block_m / contract::kDqCounterRows);
   const int mine = n - first_key_block(band, m, block_m, block_n);
   while (ptx::ld_acquire(turn) != mine) {
   }

@@ -1,5 +1,5 @@
-// The last kernel of the sm80 backward: dQ [B, T, N, H] in T from the
-// float32 accumulator they add into with atomics, the same layout. (The sm90 backward's
+// The last kernel of the mma.sync backward: dQ [B, T, N, H] in T from the
+// float32 accumulator it adds into with atomics, the same layout. (The sm90 backward's
 // accumulator is tiled: sm90/dq_tiles.cuh.)
 #pragma once
 
@@ -13,7 +13,10 @@
 namespace jax_flash {
 
 // Eight elements a thread (H is a multiple of 8): two float4 loads, one 16-byte store.
-template <typename T>
+// kFamily (75, 80 or 90): the kernel family that launches it. Each family's files compile for
+// their own targets (CMakeLists.txt), so each needs its own copy of this kernel, a symbol of its own:
+// copies of one symbol compiled for different targets would leave which one runs to the linker.
+template <typename T, int kFamily>
 __global__ void __launch_bounds__(256) dq_from_rows(const BwdParams p) {
   const int64_t i = (int64_t(blockIdx.x) * 256 + threadIdx.x) * 8;
   if (i >= int64_t(p.batch) * p.seqlen_q * p.heads * p.head_dim) return;
@@ -23,10 +26,10 @@ __global__ void __launch_bounds__(256) dq_from_rows(const BwdParams p) {
       uint4{ptx::pack2<T>(a.x, a.y), ptx::pack2<T>(a.z, a.w), ptx::pack2<T>(b.x, b.y), ptx::pack2<T>(b.z, b.w)};
 }
 
-template <typename T>
+template <typename T, int kFamily>
 cudaError_t launch_dq_from_rows(const BwdParams& p, cudaStream_t stream) {
   const int64_t chunks = int64_t(p.batch) * p.seqlen_q * p.heads * p.head_dim / 8;
-  dq_from_rows<T><<<(chunks + 255) / 256, 256, 0, stream>>>(p);
+  dq_from_rows<T, kFamily><<<(chunks + 255) / 256, 256, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -102,13 +102,13 @@ struct BwdParams : FwdParams {
   float* delta;     // rowsum(dO * O) - dlse, the softmax backward's per-row term; 0 past T
   float* lse_log2;  // lse * log2(e), +inf for empty rows and past T (so that P = 0 there)
   int stats_stride;
-  // Deterministic dQ: [B, N, stats_stride / 64] int32 scratch, one counter per 64 query rows,
-  // zeroed by bwd_preprocess; the key blocks add their dQ parts of a query block in key-block
-  // order (bwd_walk.cuh). nullptr: in any order (faster, not bit-reproducible).
+  // Deterministic dQ: [B, N, stats_stride / kDqCounterRows] int32 scratch, one counter per 32
+  // query rows (contract.h), zeroed by bwd_preprocess; the key blocks add their dQ parts of a query
+  // block in key-block order (bwd_walk.cuh). nullptr: in any order (faster, not bit-reproducible).
   int* dq_turns;
   // sm90/bwd_kernel.cuh outside deterministic mode, without segment ids (run_sm90.cuh): the same
-  // scratch as dQ turns, one ticket a query block (at its first row / 64), zeroed by
-  // bwd_preprocess in place of the accumulator. The first CTA to take a block's ticket stores its
+  // scratch as dQ turns, one ticket a query block (dq_tiles.cuh), zeroed by bwd_preprocess in
+  // place of the accumulator. The first CTA to take a block's ticket stores its
   // dQ part, the others add theirs once it has landed (dq_tiles.cuh). `dq_counters` is that
   // scratch, for the launcher to choose.
   int* dq_tickets;

@@ -1,10 +1,28 @@
-// Thin wrappers over the PTX instructions the sm80 kernels use: cp.async, ldmatrix, mma.sync.
-// Each names the instruction it emits; none does more than that instruction.
+// Thin wrappers over the PTX instructions the mma.sync kernels use: cp.async, ldmatrix, mma.sync.
+// Each names the instruction it emits; none does more than that instruction, but for the Turing
+// lowering (Isa::kSm75) of the two that sm_75 lacks.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <type_traits>
+
+namespace jax_flash {
+
+// The instructions a family of mma.sync kernels is written in: sm_80's (mma.sync m16n8k16,
+// cp.async; fp16 and bf16), or Turing's (sm_75: m16n8k8, fp16 only, and plain loads and stores
+// in place of cp.async). The Turing family also compiles for Hopper, where its tests run it with
+// these same instructions.
+enum class Isa { kSm80, kSm75 };
+
+}  // namespace jax_flash
+
+// Targets below sm_80 have no cp.async and no m16n8k16: the sm80 family compiled for one (only in
+// a build with no sm_80+ target, CMakeLists.txt) never runs there, and its wrappers trap.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define JAX_FLASH_BELOW_SM80 1
+#endif
 
 namespace jax_flash::ptx {
 
@@ -14,21 +32,60 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 // cp.async.cg 16 bytes global -> shared; when !valid the 16 bytes are zero-filled (src-size 0).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+#if defined(JAX_FLASH_BELOW_SM80)
+  __trap();
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
+#endif
 }
 // cp.async.ca 4 bytes global -> shared, zero-filled when !valid (row statistics of a tile).
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+#if defined(JAX_FLASH_BELOW_SM80)
+  __trap();
+#else
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 4 : 0));
+#endif
 }
 // The line holding p into this SM's L1, ahead of loads that would otherwise wait on L2.
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+// Below sm_80 no copy can be in flight (there is no cp.async): the commit and the wait are no-ops
+// there, so that the Turing family's kernels keep the sm80 family's pipeline code.
+__device__ __forceinline__ void cp_async_commit() {
+#if !defined(JAX_FLASH_BELOW_SM80)
+  asm volatile("cp.async.commit_group;\n");
+#endif
+}
 // Wait until at most N committed groups are still in flight.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
+#if !defined(JAX_FLASH_BELOW_SM80)
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// 16 bytes global -> shared, zero-filled when !valid: cp.async (the caller commits and waits),
+// or with Isa::kSm75 a load into registers and a store, done when it returns.
+template <Isa kIsa>
+__device__ __forceinline__ void copy_16(uint32_t dst, const void* src, bool valid) {
+  if constexpr (kIsa == Isa::kSm75) {
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (valid) v = __ldg(static_cast<const uint4*>(src));
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+  } else {
+    cp_async_16(dst, src, valid);
+  }
+}
+// The same for 4 bytes.
+template <Isa kIsa>
+__device__ __forceinline__ void copy_4(uint32_t dst, const void* src, bool valid) {
+  if constexpr (kIsa == Isa::kSm75) {
+    const uint32_t v = valid ? __ldg(static_cast<const unsigned int*>(src)) : 0u;
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dst), "r"(v));
+  } else {
+    cp_async_4(dst, src, valid);
+  }
 }
 
 // ldmatrix.x4: four 8x8 b16 matrices; lane l gives the row address of matrix l / 8.
@@ -43,27 +100,43 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(addr));
 }
 
-// mma.sync m16n8k16, fp32 accumulate: c += a * b. A row-major (4 regs), B col-major (2 regs).
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                          uint32_t b1);
-template <>
-__device__ __forceinline__ void mma_16816<__half>(float (&c)[4], const uint32_t (&a)[4],
-                                                  uint32_t b0, uint32_t b1) {
+// mma.sync m16n8k8 (sm_75), fp16 in, fp32 accumulate: c += a * b. A row-major (2 regs: rows g and
+// g + 8 of k 2t, 2t + 1), B col-major (1 reg).
+__device__ __forceinline__ void mma_1688_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+      : "r"(a0), "r"(a1), "r"(b));
 }
-template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
-                                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+
+// mma.sync m16n8k16, fp32 accumulate: c += a * b. A row-major (4 regs), B col-major (2 regs).
+// Isa::kSm75: two m16n8k8, one per k half; their fragments are m16n8k16's halves (a[0..1] and b0
+// hold k 0-7, a[2..3] and b1 k 8-15), so callers keep one layout for both.
+template <typename T, Isa kIsa = Isa::kSm80>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (kIsa == Isa::kSm75) {
+    static_assert(std::is_same_v<T, __half>, "Turing's tensor cores take fp16, not bf16");
+    mma_1688_f16(c, a[0], a[1], b0);
+    mma_1688_f16(c, a[2], a[3], b1);
+  } else {
+#if defined(JAX_FLASH_BELOW_SM80)
+    __trap();
+#else
+    if constexpr (std::is_same_v<T, __half>) {
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+          "{%0,%1,%2,%3};\n"
+          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+          "{%8,%9}, {%0,%1,%2,%3};\n"
+          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+#endif
+  }
 }
 
 // Two floats -> one register of two 16-bit values (low half = first).
@@ -149,6 +222,15 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t
 __device__ __forceinline__ uint32_t ld_shared_b32(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+// 16 bytes through the read-only path, where the caller puts it (volatile: not moved across the
+// mma.sync around it, so that the registers it fills are live only as long as the caller says).
+__device__ __forceinline__ uint4 ld_global_nc_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
   return v;
 }
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {

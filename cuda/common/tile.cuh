@@ -54,8 +54,8 @@ struct ChunkWalk {
 };
 
 // Copy `rows_valid` rows of a [Tile::kRows, Tile::kCols] global tile (row stride in elements)
-// into shared memory with cp.async; rows past rows_valid are zero-filled. One commit group is
-// left to the caller.
+// into shared memory with cp.async (one commit group is left to the caller), or with Isa::kSm75
+// with loads and stores (ptx::copy_16); rows past rows_valid are zero-filled.
 //
 // When the threads cover whole rows and step a multiple of 8 rows per pass, every pass of a
 // thread keeps its chunk and swizzle: one address pair is computed and the passes add constants
@@ -64,9 +64,10 @@ struct ChunkWalk {
 // each pass computes its own addresses; unrolled, the compiler hoists all of them out of the
 // caller's main loop into registers: faster where the accumulators leave room (kUnroll), spills
 // where not.
-template <typename Tile, int kThreads, bool kUnroll, bool kWholeTilePath = false, typename T>
-__device__ __forceinline__ void load_tile_async(uint32_t smem, const T* gmem, int64_t row_stride,
-                                                int rows_valid, int tid) {
+template <typename Tile, int kThreads, bool kUnroll, bool kWholeTilePath = false, Isa kIsa = Isa::kSm80,
+          typename T>
+__device__ __forceinline__ void load_tile(uint32_t smem, const T* gmem, int64_t row_stride,
+                                          int rows_valid, int tid) {
   constexpr int kRowsPerPass = kThreads / Tile::kChunks;
   if constexpr (kThreads % Tile::kChunks == 0 && kRowsPerPass % 8 == 0 &&
                 Tile::kRows % kRowsPerPass == 0) {
@@ -77,18 +78,30 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem, const T* gmem, in
     constexpr int kPasses = Tile::kRows / kRowsPerPass;
     // Row + 8k keeps the swizzle, so the shared-memory offset grows by whole rows of chunks.
     constexpr int kPassBytes = kRowsPerPass * Tile::kPanelChunks * 16;
-    if (kWholeTilePath && rows_valid >= Tile::kRows) {
+    if constexpr (kIsa == Isa::kSm75) {
+      // Turing: every pass's load, then every store, at the caller's place in its code.
+      uint4 data[kPasses];
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass, src += pass_stride) {
+        data[pass] = make_uint4(0, 0, 0, 0);
+        if (row0 + pass * kRowsPerPass < rows_valid) data[pass] = ptx::ld_global_nc_v4(src);
+      }
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+        ptx::st_shared_v4(dst + pass * kPassBytes, data[pass].x, data[pass].y, data[pass].z, data[pass].w);
+      }
+    } else if (kWholeTilePath && rows_valid >= Tile::kRows) {
       // Whole tile (every tile but a sequence's last): no per-row predicate and address select,
       // three of the four instructions per copy.
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass, src += pass_stride) {
-        ptx::cp_async_16(dst + pass * kPassBytes, src, true);
+        ptx::copy_16<kIsa>(dst + pass * kPassBytes, src, true);
       }
     } else {
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass, src += pass_stride) {
         const bool valid = row0 + pass * kRowsPerPass < rows_valid;
-        ptx::cp_async_16(dst + pass * kPassBytes, valid ? src : gmem, valid);
+        ptx::copy_16<kIsa>(dst + pass * kPassBytes, valid ? src : gmem, valid);
       }
     }
   } else {
@@ -103,7 +116,7 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem, const T* gmem, in
       const int chunk = i % Tile::kChunks;
       const bool valid = row < rows_valid;
       const T* src = gmem + (valid ? row * row_stride + chunk * 8 : 0);
-      ptx::cp_async_16(smem + Tile::offset(row, chunk), src, valid);
+      ptx::copy_16<kIsa>(smem + Tile::offset(row, chunk), src, valid);
     }
   }
 }

@@ -28,8 +28,8 @@ struct WarpRing {
   template <typename T>
   __device__ __forceinline__ void load(int step, const T* k, const T* v, int64_t row_stride, int keys_valid,
                                        int lane) const {
-    load_tile_async<KvTile, 32, true>(k_stage(step), k, row_stride, keys_valid, lane);
-    load_tile_async<KvTile, 32, true>(v_stage(step), v, row_stride, keys_valid, lane);
+    load_tile<KvTile, 32, true>(k_stage(step), k, row_stride, keys_valid, lane);
+    load_tile<KvTile, 32, true>(v_stage(step), v, row_stride, keys_valid, lane);
   }
   // Wait until step `step`'s block has landed, given that kStages - 1 later groups were committed.
   __device__ __forceinline__ void wait() const {

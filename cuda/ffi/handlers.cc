@@ -163,8 +163,9 @@ ffi::Error fill_bias(ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::DataType dty
 }
 
 ffi::Error check_kernel_family(int32_t kernels) {
-  if (kernels != int32_t(KernelFamily::kBest) && kernels != int32_t(KernelFamily::kSm80)) {
-    return ffi::Error::InvalidArgument("jax_flash: kernels must be 0 (best) or 80 (sm80 only), got " +
+  if (kernels != int32_t(KernelFamily::kBest) && kernels != int32_t(KernelFamily::kSm80) &&
+      kernels != int32_t(KernelFamily::kSm75)) {
+    return ffi::Error::InvalidArgument("jax_flash: kernels must be 0 (best), 80 (sm80 only) or 75 (sm75 only), got " +
                                        std::to_string(kernels));
   }
   return ffi::Error::Success();
@@ -263,8 +264,9 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   }
   p.dq_accum = dq_accum->typed_data();
   const auto td = dq_turns->dimensions();
-  if (td.size() != 3 || td[0] != sd[0] || td[1] != sd[1] || td[2] != sd[2] / 64) {
-    return ffi::Error::InvalidArgument("jax_flash: the dq_turns scratch must be [B, N, padded T / 64], got " +
+  if (td.size() != 3 || td[0] != sd[0] || td[1] != sd[1] || td[2] != sd[2] / contract::kDqCounterRows) {
+    return ffi::Error::InvalidArgument("jax_flash: the dq_turns scratch must be [B, N, padded T / " +
+                                       std::to_string(contract::kDqCounterRows) + "], got " +
                                        shape_string(td));
   }
   p.dq_counters = dq_turns->typed_data();
@@ -392,7 +394,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dQ accumulator scratch [B, T padded, N, H]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // delta scratch [B, N, T padded]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse_log2 scratch [B, N, T padded]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // dq_turns scratch [B, N, T padded / 64]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // dq_turns scratch [B, N, T padded / kDqCounterRows]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dbias, shaped like the bias, or empty
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")  // 0: none

@@ -3,7 +3,8 @@
 // `built_archs` names the targets compiled (CMakeLists.txt), e.g. "80,90a";
 // `sm80_backward_smem_bytes(head_dim)` the shared memory of a block of the mma.sync backward,
 // `sm80_forward_smem_bytes(head_dim)` and `sm80_wide_forward_smem_bytes(head_dim)` those of the
-// mma.sync forward up to 256 and above.
+// mma.sync forward up to 256 and above; `sm75_forward_smem_bytes` and `sm75_backward_smem_bytes`
+// the Turing family's.
 #include <nanobind/nanobind.h>
 
 #include "ffi/handlers.h"
@@ -23,4 +24,6 @@ NB_MODULE(_cuda, m) {
   m.def("sm80_backward_smem_bytes", &jax_flash::sm80_backward_smem_bytes);
   m.def("sm80_forward_smem_bytes", &jax_flash::sm80_forward_smem_bytes);
   m.def("sm80_wide_forward_smem_bytes", &jax_flash::sm80_wide_forward_smem_bytes);
+  m.def("sm75_forward_smem_bytes", &jax_flash::sm75_forward_smem_bytes);
+  m.def("sm75_backward_smem_bytes", &jax_flash::sm75_backward_smem_bytes);
 }

@@ -20,6 +20,8 @@ inline constexpr int kDecodeTileRows = 16;
 inline constexpr int kDecodeBlockKeys = 16;
 // splits of a decode tile's keys, at most
 inline constexpr int kMaxDecodeSplits = 128;
+// query rows per dQ turn or ticket counter: at most the smallest query block
+inline constexpr int kDqCounterRows = 32;
 
 // Head dims with kernels, per family (the dispatch switches over these).
 
@@ -39,6 +41,10 @@ using FwdSm80WideHeadDims = std::integer_sequence<int, 320, 384, 448, 512>;
 constexpr bool fwd_sm80_wide_supports_head_dim(int d) { return d == 320 || d == 384 || d == 448 || d == 512; }
 using DecodeHeadDims = std::integer_sequence<int, 32, 64, 96, 128, 192, 256>;
 constexpr bool decode_supports_head_dim(int d) { return d == 32 || d == 64 || d == 96 || d == 128 || d == 192 || d == 256; }
+using FwdSm75HeadDims = std::integer_sequence<int, 64, 96, 128>;
+constexpr bool fwd_sm75_supports_head_dim(int d) { return d == 64 || d == 96 || d == 128; }
+using BwdSm75HeadDims = std::integer_sequence<int, 64, 96, 128>;
+constexpr bool bwd_sm75_supports_head_dim(int d) { return d == 64 || d == 96 || d == 128; }
 // (head dim, value head dim) pairs, flattened.
 using FwdSm90UnequalHeadDims = std::integer_sequence<int, 192, 128>;
 constexpr bool fwd_sm90_unequal_supports_head_dims(int h, int v) { return (h == 192 && v == 128); }

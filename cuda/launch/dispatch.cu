@@ -53,6 +53,25 @@ bool use_sm90(KernelFamily family) {
 #endif
 }
 
+// True where the Turing family runs: forced, or the best family of a 7.x GPU.
+bool use_sm75(KernelFamily family) {
+  if (family == KernelFamily::kSm75) return true;
+  int major = 0, minor = 0;
+  return family == KernelFamily::kBest && current_device_capability(&major, &minor) && major == 7;
+}
+
+// The Turing family: fp16 without a bias or mask, equal head dims of fwd_sm75 / bwd_sm75 (the Python
+// layer sends it nothing else: bf16 and the rest take the xla path there).
+template <typename T, Variant kVariant, typename Params, typename Run>
+cudaError_t turing_for(const Params& p, Run&& run) {
+  if constexpr (!std::is_same_v<T, __half> || kVariant == Variant::kEverything) {
+    return cudaErrorInvalidValue;
+  } else {
+    if (p.value_dim != p.head_dim) return cudaErrorInvalidValue;
+    return for_head_dim(contract::FwdSm75HeadDims{}, p.head_dim, [&](auto d) { return run(d); });
+  }
+}
+
 // The variant that reads what the call has (params.h).
 template <typename Fn>
 cudaError_t by_variant(const FwdParams& p, Fn&& fn) {
@@ -88,6 +107,9 @@ cudaError_t bias_free_fwd_for(const FwdParams& p, KernelFamily family, cudaStrea
 
 template <typename T, Variant kVariant>
 cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
+  if (use_sm75(family)) {
+    return turing_for<T, kVariant>(p, [&](auto d) { return run_fwd_sm75<T, decltype(d)::value, kVariant>(p, stream); });
+  }
   if (p.value_dim != p.head_dim || fwd_sm90_wide_supports_head_dim(p.head_dim)) {
     return bias_free_fwd_for<T, kVariant>(p, family, stream);
   }
@@ -129,6 +151,10 @@ cudaError_t hopper_only_bwd_for(const BwdParams& p, KernelFamily family, cudaStr
 
 template <typename T, Variant kVariant>
 cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream) {
+  static_assert(std::is_same_v<contract::FwdSm75HeadDims, contract::BwdSm75HeadDims>);
+  if (use_sm75(family)) {
+    return turing_for<T, kVariant>(p, [&](auto d) { return run_bwd_sm75<T, decltype(d)::value, kVariant>(p, stream); });
+  }
   if (p.value_dim != p.head_dim || bwd_sm90_no_bias_supports_head_dim(p.head_dim)) {
     return hopper_only_bwd_for<T, kVariant>(p, family, stream);
   }
@@ -203,6 +229,28 @@ int sm80_wide_forward_smem_bytes(int head_dim) {
   int bytes = 0;
   for_head_dim(contract::FwdSm80WideHeadDims{}, head_dim, [&](auto d) {
     bytes = sm80::WideFwdConfig<__nv_bfloat16, decltype(d)::value>::kSmemBytes;  // the same for fp16
+    return cudaSuccess;
+  });
+  return bytes;
+}
+
+int sm75_forward_smem_bytes(int head_dim) {
+  int bytes = 0;
+  for_head_dim(contract::FwdSm75HeadDims{}, head_dim, [&](auto d) {
+    constexpr int kHeadDim = decltype(d)::value;
+    constexpr Isa kTuring = Isa::kSm75;
+    bytes = std::max({sm80::FwdConfig<__half, kHeadDim, Variant::kPlain, kTuring>::kSmemBytes,
+                      sm80::FwdConfig<__half, kHeadDim, Variant::kMasked, kTuring>::kSmemBytes,
+                      sm80::FwdConfig<__half, kHeadDim, Variant::kSoftcap, kTuring>::kSmemBytes});
+    return cudaSuccess;
+  });
+  return bytes;
+}
+
+int sm75_backward_smem_bytes(int head_dim) {
+  int bytes = 0;
+  for_head_dim(contract::BwdSm75HeadDims{}, head_dim, [&](auto d) {
+    bytes = sm80::BwdConfig<__half, decltype(d)::value, false, Isa::kSm75>::kSmemBytes;
     return cudaSuccess;
   });
   return bytes;

@@ -27,10 +27,13 @@ using contract::fwd_sm90_supports_head_dim;
 using contract::fwd_sm90_unequal_supports_head_dims;
 using contract::fwd_sm90_wide_supports_head_dim;
 using contract::fwd_supports_head_dim;
+using contract::bwd_sm75_supports_head_dim;
+using contract::fwd_sm75_supports_head_dim;
 
-// Which kernel family a call may use: the fastest one for the device, or only the mma.sync
-// (sm80) kernels, which run on every GPU from sm_80 on (to test them on Hopper).
-enum class KernelFamily { kBest = 0, kSm80 = 80 };
+// Which kernel family a call may use: the fastest one for the device (the Turing family on sm_75),
+// or only the mma.sync (sm80) kernels, which run on every GPU from sm_80 on, or only the Turing
+// ones (fp16 at fwd_sm75's head dims, no bias), which also run on Hopper: forced there to test them.
+enum class KernelFamily { kBest = 0, kSm75 = 75, kSm80 = 80 };
 
 // The launch status. Callers check the head dim first (cudaErrorInvalidValue otherwise).
 cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, cudaStream_t stream);
@@ -46,6 +49,9 @@ int sm80_backward_smem_bytes(int head_dim);
 // its variants; above 256 (the wide kernel) 85-133 KB. 0: no kernel.
 int sm80_forward_smem_bytes(int head_dim);
 int sm80_wide_forward_smem_bytes(int head_dim);
+// The Turing family's, forward and backward (0: no kernel); all within sm_75's 64 KB.
+int sm75_forward_smem_bytes(int head_dim);
+int sm75_backward_smem_bytes(int head_dim);
 
 // Declarations of the instantiations in cuda/generated/ (one .cu each), a kernel variant
 // (params.h) each.
@@ -67,5 +73,9 @@ template <typename T, int kHeadDim, int kValueDim, Variant kVariant>
 cudaError_t run_unequal_bwd_sm90(const BwdParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream);
+template <typename T, int kHeadDim, Variant kVariant>
+cudaError_t run_fwd_sm75(const FwdParams& p, cudaStream_t stream);
+template <typename T, int kHeadDim, Variant kVariant>
+cudaError_t run_bwd_sm75(const BwdParams& p, cudaStream_t stream);
 
 }  // namespace jax_flash

@@ -1,4 +1,5 @@
 // Launchers of the sm80 kernels for one (element type, head dim): grid, shared memory, stream.
+// (The Turing family's launchers, run_sm75.cuh, take these with their own tiles.)
 // No synchronisation and no allocation: they run inside XLA's stream (and CUDA graphs).
 #pragma once
 
@@ -16,9 +17,9 @@
 
 namespace jax_flash {
 
-template <typename T, int kHeadDim, Variant kVariant>
-cudaError_t run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = sm80::FwdConfig<T, kHeadDim, kVariant>;
+// The mma.sync forward with the given tiles (traits.cuh: the sm80 or the Turing family's).
+template <typename Cfg, Variant kVariant>
+cudaError_t launch_fwd_mma(const FwdParams& p, cudaStream_t stream) {
   auto kernel = sm80::fwd_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   dim3 grid;
@@ -28,9 +29,14 @@ cudaError_t run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <typename T, int kHeadDim, Variant kVariant>
+cudaError_t run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
+  return launch_fwd_mma<sm80::FwdConfig<T, kHeadDim, kVariant>, kVariant>(p, stream);
+}
+
 // The mma.sync backward with the given tiles (traits.cuh), then dQ out of its accumulator.
 template <typename Cfg, Variant kVariant>
-cudaError_t launch_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
+cudaError_t launch_bwd_mma(const BwdParams& p, cudaStream_t stream) {
   auto kernel = sm80::bwd_dkdv_kernel<Cfg, kVariant>;
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   dim3 grid;
@@ -38,7 +44,7 @@ cudaError_t launch_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   if (cudaError_t e = batch_head_grid(n_blocks, int64_t(p.batch) * p.kv_heads, &grid); e != cudaSuccess) return e;
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  return launch_dq_from_rows<typename Cfg::T>(p, stream);
+  return launch_dq_from_rows<typename Cfg::T, Cfg::kTuring ? 75 : 80>(p, stream);
 }
 
 // The tiles that fit the shared memory a block may take (BwdParams::smem_limit, within the
@@ -47,13 +53,13 @@ cudaError_t launch_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm80::BwdConfig<T, kHeadDim>;
-  if (cudaError_t e = launch_bwd_preprocess<T, kHeadDim>(p, stream); e != cudaSuccess) return e;
+  if (cudaError_t e = launch_bwd_preprocess<T, kHeadDim, 80>(p, stream); e != cudaSuccess) return e;
   int limit = current_device_limits().smem_optin;  // 0 where the runtime cannot say
   if (p.smem_limit > 0 && (limit <= 0 || p.smem_limit < limit)) limit = p.smem_limit;
-  if (limit <= 0 || Cfg::kSmemBytes <= limit) return launch_bwd_sm80<Cfg, kVariant>(p, stream);
+  if (limit <= 0 || Cfg::kSmemBytes <= limit) return launch_bwd_mma<Cfg, kVariant>(p, stream);
   if constexpr (sm80::has_compact_bwd(kHeadDim)) {
     using Compact = sm80::BwdConfig<T, kHeadDim, true>;
-    if (Compact::kSmemBytes <= limit) return launch_bwd_sm80<Compact, kVariant>(p, stream);
+    if (Compact::kSmemBytes <= limit) return launch_bwd_mma<Compact, kVariant>(p, stream);
   }
   return cudaErrorInvalidConfiguration;
 }

@@ -155,7 +155,7 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   using T = typename Cfg::T;
   BwdParams p = params;
   p.dq_tickets = p.dq_turns == nullptr && p.q_segments == nullptr ? p.dq_counters : nullptr;
-  if (cudaError_t e = launch_bwd_preprocess<T, Cfg::kHeadDim>(p, stream); e != cudaSuccess) return e;
+  if (cudaError_t e = launch_bwd_preprocess<T, Cfg::kHeadDim, 90>(p, stream); e != cudaSuccess) return e;
   sm90::BwdTensorMaps maps;
   if (cudaError_t e = make_bwd_tensor_maps<Cfg>(p, &maps); e != cudaSuccess) return e;
   auto kernel = sm90::bwd_kernel<Cfg, kVariant>;
@@ -186,7 +186,7 @@ cudaError_t launch_bwd_sm90_wide(const BwdParams& p, cudaStream_t stream) {
   static_assert(DqCfg::kBlockM == Cfg::kBlockM && DqCfg::kBlockN == Cfg::kBlockN, "one set of tensor maps");
   BwdParams stats_only = p;
   stats_only.dq_accum = nullptr;
-  if (cudaError_t e = launch_bwd_preprocess<T, kValueDim>(stats_only, stream); e != cudaSuccess) return e;
+  if (cudaError_t e = launch_bwd_preprocess<T, kValueDim, 90>(stats_only, stream); e != cudaSuccess) return e;
   sm90::BwdTensorMaps maps;
   if (cudaError_t e = make_bwd_tensor_maps<Cfg>(p, &maps); e != cudaSuccess) return e;
   auto dkdv_kernel = sm90::bwd_wide_kernel<Cfg, kVariant>;

@@ -88,9 +88,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
     load_step<Cfg>(p, c, batch, q_row_stride, stage_q(stage), stage_do(stage), stage_stats(stage), tid);
   };
 
-  load_tile_async<KTile, Cfg::kThreads, false>(sK, static_cast<const T*>(p.k) + kv_offset, kv_row_stride,
+  load_tile<KTile, Cfg::kThreads, false, false, Cfg::kIsa>(sK, static_cast<const T*>(p.k) + kv_offset, kv_row_stride,
                                                keys_valid, tid);
-  load_tile_async<KTile, Cfg::kThreads, false>(sV, static_cast<const T*>(p.v) + kv_offset, kv_row_stride,
+  load_tile<KTile, Cfg::kThreads, false, false, Cfg::kIsa>(sV, static_cast<const T*>(p.v) + kv_offset, kv_row_stride,
                                                keys_valid, tid);
   BwdStep cur = BwdStep::first(walk, kv_head * group), next = cur;
   next.advance(walk);
@@ -189,14 +189,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
         ptx::ldmatrix_x4_trans(b, bt_q(d / 2, ks * 16) + stage_offset + kDoFromQ);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-          ptx::mma_16816<T>(acc_dv[mt][d], a_p[mt], b[0], b[1]);
-          ptx::mma_16816<T>(acc_dv[mt][d + 1], a_p[mt], b[2], b[3]);
+          ptx::mma_16816<T, Cfg::kIsa>(acc_dv[mt][d], a_p[mt], b[0], b[1]);
+          ptx::mma_16816<T, Cfg::kIsa>(acc_dv[mt][d + 1], a_p[mt], b[2], b[3]);
         }
         ptx::ldmatrix_x4_trans(b, bt_q(d / 2, ks * 16) + stage_offset);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-          ptx::mma_16816<T>(acc_dk[mt][d], a_ds[mt], b[0], b[1]);
-          ptx::mma_16816<T>(acc_dk[mt][d + 1], a_ds[mt], b[2], b[3]);
+          ptx::mma_16816<T, Cfg::kIsa>(acc_dk[mt][d], a_ds[mt], b[0], b[1]);
+          ptx::mma_16816<T, Cfg::kIsa>(acc_dk[mt][d + 1], a_ds[mt], b[2], b[3]);
         }
       }
     }
@@ -229,8 +229,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
           ptx::ldmatrix_x4_trans(b, bt_k(d / 2, ks * 16));
 #pragma unroll
           for (int mt = 0; mt < kDqMTiles; ++mt) {
-            ptx::mma_16816<T>(acc_dq[mt][d], a[mt], b[0], b[1]);
-            ptx::mma_16816<T>(acc_dq[mt][d + 1], a[mt], b[2], b[3]);
+            ptx::mma_16816<T, Cfg::kIsa>(acc_dq[mt][d], a[mt], b[0], b[1]);
+            ptx::mma_16816<T, Cfg::kIsa>(acc_dq[mt][d + 1], a[mt], b[2], b[3]);
           }
         }
       }

@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
     const uint32_t sK0 = sQ + QTile::kBytes;  // K of stage 0; V follows K in each stage
     auto load_block = [&](const T* g, int j, uint32_t extra) {
       const int k_first = (n_end - 1 - j) * kBlockN;
-      load_tile_async<KTile, Cfg::kThreads, Cfg::kUnrollLoads, true>(
+      load_tile<KTile, Cfg::kThreads, Cfg::kUnrollLoads, true, Cfg::kIsa>(
           sK0 + (j % 2) * Cfg::kStageBytes + extra, g + int64_t(k_first) * kv_row_stride, kv_row_stride,
           p.seqlen_k - k_first, tid);
     };
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
     };
 
     float s_cur[kMTiles][kNTiles][4], s_next[kMTiles][kNTiles][4];
-    load_tile_async<QTile, Cfg::kThreads, Cfg::kUnrollLoads>(sQ, gQ, q_row_stride, rows_valid, tid);
+    load_tile<QTile, Cfg::kThreads, Cfg::kUnrollLoads, false, Cfg::kIsa>(sQ, gQ, q_row_stride, rows_valid, tid);
     load_k(0);
     if (kLead && blocks > 1) load_k(1);
     load_v(0);

@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) wide_fwd_kernel(const FwdPar
   const int blocks = keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN - n_first : 0;
   auto load_block = [&](uint32_t tile, const T* g, int j) {
     const int k_first = (n_first + j) * kBlockN;
-    load_tile_async<KTile, Cfg::kThreads, false>(tile, g + int64_t(k_first) * kv_row_stride, kv_row_stride,
+    load_tile<KTile, Cfg::kThreads, false>(tile, g + int64_t(k_first) * kv_row_stride, kv_row_stride,
                                                  p.seqlen_k - k_first, tid);
     ptx::cp_async_commit();
   };
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) wide_fwd_kernel(const FwdPar
   const int v_row = lane % 8 + ((lane / 8) % 2) * 8, v_chunk = half * (kHalfCols / 8) + lane / 16;
 
   if (blocks > 0) {
-    load_tile_async<QTile, Cfg::kThreads, false>(sQ, gQ, q_row_stride, rows_valid, tid);
+    load_tile<QTile, Cfg::kThreads, false>(sQ, gQ, q_row_stride, rows_valid, tid);
     load_block(sK, gK, 0);  // with Q: one group
     load_block(sV, gV, 0);
   }

@@ -16,6 +16,7 @@
 
 #include "common/params.h"
 #include "common/ptx.cuh"
+#include "generated/contract.h"
 
 namespace jax_flash::sm90 {
 
@@ -23,11 +24,12 @@ namespace jax_flash::sm90 {
 // bits; this bit says that the first one's part has landed, so that the others may add theirs.
 constexpr int kDqStored = 1 << 30;
 
-// The ticket of query block m_block (of block_m rows) of (batch * heads + head): one per 64 rows of
-// BwdParams::dq_tickets, at the block's first. In 32 bits: far below 2^31 (B N T / 64 tickets), and
+// The ticket of query block m_block (of block_m rows) of (batch * heads + head): one per
+// kDqCounterRows rows of BwdParams::dq_tickets. In 32 bits: far below 2^31 (B N T / 32 tickets), and
 // 64-bit math spilled in the backward's 24-register dQ thread.
 __host__ __device__ inline int* dq_ticket(const BwdParams& p, int batch_head, int m_block, int block_m) {
-  return p.dq_tickets + (batch_head * (p.stats_stride / 64) + m_block * (block_m / 64));
+  constexpr int kRows = contract::kDqCounterRows;
+  return p.dq_tickets + (batch_head * (p.stats_stride / kRows) + m_block * (block_m / kRows));
 }
 
 // kRows x 64 tiles. kTransposed: the consumers hold dQ^T (FlashAttention-3's 80-query steps at

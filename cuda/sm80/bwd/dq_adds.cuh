@@ -23,7 +23,7 @@ __device__ __forceinline__ void add_dq(const float (&acc_dq)[kDqMTiles][kDqNTile
   int* turn = nullptr;
   if (p.dq_turns != nullptr) {
     if (tid == 0) {
-      turn = wait_dq_turn(p.dq_turns + (int64_t(batch) * p.heads + head) * (p.stats_stride / 64),
+      turn = wait_dq_turn(p.dq_turns + (int64_t(batch) * p.heads + head) * (p.stats_stride / contract::kDqCounterRows),
                           band.without_segments(), q_first / kBlockM, n_block, kBlockM, kBlockN);
     }
     __syncthreads();

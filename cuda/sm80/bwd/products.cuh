@@ -33,8 +33,8 @@ __device__ __forceinline__ void sdp_product(float (&acc)[Cfg::kSdpRowsPerWarp / 
       ptx::ldmatrix_x4(b, b_k(ks, n * 8) + b_shift);
 #pragma unroll
       for (int mt = 0; mt < kSdpMTiles; ++mt) {
-        ptx::mma_16816<T>(acc[mt][n], a[mt], b[0], b[1]);
-        ptx::mma_16816<T>(acc[mt][n + 1], a[mt], b[2], b[3]);
+        ptx::mma_16816<T, Cfg::kIsa>(acc[mt][n], a[mt], b[0], b[1]);
+        ptx::mma_16816<T, Cfg::kIsa>(acc[mt][n + 1], a[mt], b[2], b[3]);
       }
     }
   }

@@ -38,8 +38,8 @@ __device__ __forceinline__ void qk_product(float (&acc_s)[kMTiles][Cfg::kBlockN 
       for (int mt = 0; mt < kMTiles; ++mt) {
         const uint32_t(&reloaded)[4] = q_reload[mt];
         const uint32_t(&a)[4] = Cfg::kQInRegs ? q_frag[mt][Cfg::kQInRegs ? ks : 0] : reloaded;
-        ptx::mma_16816<T>(acc_s[mt][n], a, b[0], b[1]);
-        ptx::mma_16816<T>(acc_s[mt][n + 1], a, b[2], b[3]);
+        ptx::mma_16816<T, Cfg::kIsa>(acc_s[mt][n], a, b[0], b[1]);
+        ptx::mma_16816<T, Cfg::kIsa>(acc_s[mt][n + 1], a, b[2], b[3]);
       }
     }
   }
@@ -63,8 +63,8 @@ __device__ __forceinline__ void pv_product(float (&acc_o)[kMTiles][Cfg::kHeadDim
       ptx::ldmatrix_x4_trans(b, bt_v(d / 2, ks * 16) + stage_offset);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
-        ptx::mma_16816<T>(acc_o[mt][d], a[mt], b[0], b[1]);
-        ptx::mma_16816<T>(acc_o[mt][d + 1], a[mt], b[2], b[3]);
+        ptx::mma_16816<T, Cfg::kIsa>(acc_o[mt][d], a[mt], b[0], b[1]);
+        ptx::mma_16816<T, Cfg::kIsa>(acc_o[mt][d + 1], a[mt], b[2], b[3]);
       }
     }
   }

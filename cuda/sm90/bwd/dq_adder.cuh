@@ -37,7 +37,7 @@ __device__ __forceinline__ void add_dq_parts(const BwdParams& p, const BwdShared
       const int buffer = s % Cfg::kDqBuffers, use = s / Cfg::kDqBuffers;
       int* turn = nullptr;
       if (Cfg::kRunsDeterministic && p.dq_turns != nullptr) {
-        turn = wait_dq_turn(p.dq_turns + (int64_t(batch) * p.heads + step.head) * (p.stats_stride / 64),
+        turn = wait_dq_turn(p.dq_turns + (int64_t(batch) * p.heads + step.head) * (p.stats_stride / contract::kDqCounterRows),
                             band.without_segments(), step.m_block, n_block, kBlockM, kBlockN);
         ptx::fence_proxy_async_global();
       }
