@@ -66,9 +66,35 @@ def install(monkeypatch):
     # the targets built (the default).
     module = types.SimpleNamespace(sm80_backward_smem_bytes=lambda head_dim: 0,
                                    sm80_wide_forward_smem_bytes=lambda head_dim: 0,
+                                   sm75_backward_smem_bytes=lambda head_dim: 0,
                                    built_archs=",".join(_ffi.DEFAULT_BUILT_ARCHS))
     monkeypatch.setattr(_ffi, "extension", lambda: module)
     monkeypatch.setattr(_ffi, "cuda_device_available", lambda: True)
     monkeypatch.setattr(_ffi, "device_capability", lambda: (9, 0))
     monkeypatch.setattr(_ffi, "register_targets", lambda: ())
     monkeypatch.setattr(_ffi, "call_kernel", call_kernel)
+
+
+class Calls(list):
+    """(target, operand shapes) of every kernel call traced; `results[target]` and `attrs[target]`:
+    the result shapes and attributes of its last call."""
+
+    def __init__(self):
+        super().__init__()
+        self.results = {}
+        self.attrs = {}
+
+
+def record_calls(monkeypatch) -> Calls:
+    """The stand-in installed (`install`), each call recorded in the list returned."""
+    install(monkeypatch)
+    calls = Calls()
+
+    def recording(target, result_types, operands, attrs):
+        calls.append((target, [x.shape for x in operands]))
+        calls.results[target] = [r.shape for r in result_types]
+        calls.attrs[target] = dict(attrs)
+        return call_kernel(target, result_types, operands, attrs)
+
+    monkeypatch.setattr(_ffi, "call_kernel", recording)
+    return calls

@@ -126,7 +126,7 @@ def test_bad_dtypes():
         jax_flash.attention("q", k, v)
 
 
-@pytest.mark.parametrize("value,family", [(None, 0), ("best", 0), ("sm80", 80)])
+@pytest.mark.parametrize("value,family", [(None, 0), ("best", 0), ("sm80", 80), ("sm75", 75)])
 def test_kernel_family_from_the_environment(monkeypatch, value, family):
     if value is None:
         monkeypatch.delenv(_ffi.KERNELS_ENV, raising=False)

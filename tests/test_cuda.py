@@ -59,9 +59,21 @@ def run(implementation, q, k, v, g_out, **kw):
     return out, lse, grads
 
 
-def check(dtype, b, t, s, n, kv_heads, h, key_growth=1.0, **kw):
-    """Both kernel families ("best", then the sm80 kernels alone) against the float64 reference
-    and the xla path; returns the inputs and the "best" results. key_growth: the first key is
+def families_for(dtype, h, **kw) -> tuple[str, ...]:
+    """The kernel families a check runs: the best, the sm80 kernels alone, and (forced on this GPU)
+    the Turing ones where they take the call: float16 at head dims up to 128, no bias or mask."""
+    turing = dtype == jnp.float16 and h <= 128 and kw.get("bias") is None and kw.get("mask") is None
+    return ("best", "sm80") + (("sm75",) if turing else ())
+
+
+def turing_dtype(family: str, dtype=jnp.bfloat16):
+    """float16 for the Turing family (it takes no bf16), else `dtype`."""
+    return jnp.float16 if family == "sm75" else dtype
+
+
+def check(dtype, b, t, s, n, kv_heads, h, key_growth=1.0, families=None, **kw):
+    """Each kernel family of `families` (by default `families_for`) against the float64 reference
+    and the xla path; returns the inputs and the first family's results. key_growth: the first key is
     scaled by 1, the last by it, linearly in between (the sm90 forward visits the keys first to
     last, so each key block raises the rows' maxima)."""
     rng = rng_for("cuda", dtype, b, t, s, n, kv_heads, h, key_growth, tuple(sorted(kw.items())))
@@ -78,7 +90,8 @@ def check(dtype, b, t, s, n, kv_heads, h, key_growth=1.0, **kw):
     ref_out, ref_lse = reference.attention(q, k, v, **kw)
     ref_grads = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
     results = {}
-    for family in ("best", "sm80"):
+    families = families or families_for(dtype, h, **kw)
+    for family in families:
         with pytest.MonkeyPatch.context() as env:  # traces inside use these kernels
             env.setenv(_ffi.KERNELS_ENV, family)
             ours = results[family] = run("cuda", q, k, v, g_out, **kw)
@@ -90,7 +103,7 @@ def check(dtype, b, t, s, n, kv_heads, h, key_growth=1.0, **kw):
             factor = XLA_ERROR_FACTOR if key_growth == 1.0 else STEEP_XLA_ERROR_FACTOR
             assert err <= factor * xla_err + 1e-3, f"{family} {name}: {err:.2e} vs xla path {xla_err:.2e}"
         assert ours[0].dtype == dtype and ours[1].dtype == jnp.float32
-    return (q, k, v, g_out), results["best"]
+    return (q, k, v, g_out), results[families[0]]
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -110,14 +123,14 @@ def test_wgmma_backward_at_192_and_256_with_bands(dtype, h, kw):
     check(dtype, 2, 129, 300, 4, 2, h, **kw)
 
 
-@pytest.mark.parametrize("h", [64, 128, 192, 256])
-@pytest.mark.parametrize("family", ["best", "sm80"])
+@pytest.mark.parametrize("family,h", [(family, h) for family in ("best", "sm80", "sm75") for h in (64, 128, 192, 256)
+                                      if family != "sm75" or h <= 128])  # fmt: skip
 def test_gradients_through_the_lse(monkeypatch, family, h):
     """A loss of the output and of the returned lse: the lse's cotangent enters the backward
     (delta = rowsum(dO * O) - dlse); without it the kernels read none (an empty operand)."""
     monkeypatch.setenv(_ffi.KERNELS_ENV, family)
     rng = rng_for("lse-cotangent", family, h)
-    q, k, v = qkv(rng, jnp.bfloat16, 2, 200, 300, 4, 2, h)
+    q, k, v = qkv(rng, turing_dtype(family), 2, 200, 300, 4, 2, h)
     g_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     g_lse = jnp.asarray(rng.normal(size=(2, 200, 4)), jnp.float32)
 
@@ -194,16 +207,22 @@ def test_repeatable_forward_and_dk_dv():
         np.testing.assert_array_equal(again[2][2], first[2][2])
 
 
-@pytest.mark.parametrize("family", ["best", "sm80"])
-@pytest.mark.parametrize("h,kw", [(128, dict(is_causal=True)), (64, dict(local_window_size=(300, 100))),
-                                  (128, dict(local_window_size=(200, 0))), (256, dict(is_causal=True))])
+_DETERMINISTIC_CASES = [(128, dict(is_causal=True)), (64, dict(local_window_size=(300, 100))),
+                        (128, dict(local_window_size=(200, 0))), (256, dict(is_causal=True))]
+# The Turing family up to 128, and at 96 too (its 64-key CTAs and 32-query steps there).
+_TURING_DETERMINISTIC_CASES = [(h, kw) for h, kw in _DETERMINISTIC_CASES if h <= 128] + [(96, dict(is_causal=True))]
+
+
+@pytest.mark.parametrize("family,h,kw", [(family, h, kw) for family in ("best", "sm80") for h, kw in _DETERMINISTIC_CASES]
+                         + [("sm75", h, kw) for h, kw in _TURING_DETERMINISTIC_CASES])  # fmt: skip
 def test_deterministic_mode_gives_identical_gradients(monkeypatch, family, h, kw):
     """JAX_FLASH_DETERMINISTIC=1: five backward runs are bit-identical (GQA, tails, bands whose
-    key blocks start at different query blocks) and still match the float64 reference."""
+    key blocks start at different query blocks) and still match the float64 reference. The
+    Turing family's 32-query steps take one turn counter each (contract: DQ_COUNTER_ROWS)."""
     monkeypatch.setenv(_ffi.KERNELS_ENV, family)
     monkeypatch.setenv(_ffi.DETERMINISTIC_ENV, "1")
     rng = rng_for("deterministic", family, h, tuple(sorted(kw.items())))
-    q, k, v = qkv(rng, jnp.bfloat16, 2, 1500, 1300, 8, 2, h)
+    q, k, v = qkv(rng, turing_dtype(family), 2, 1500, 1300, 8, 2, h)
     g_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(
         jax_flash.attention(q, k, v, implementation="cuda", **kw).astype(jnp.float32) * g_out), argnums=(0, 1, 2)))

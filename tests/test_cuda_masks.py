@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import jax_flash
+from jax_flash import _ffi
 from tests import reference
 from tests.cases import qkv, rng_for
-from tests.test_cuda import _custom_call_targets, check
+from tests.test_cuda import _custom_call_targets, check, turing_dtype
 from tests.timing import rested_seconds
 
 pytestmark = pytest.mark.gpu
@@ -113,10 +114,12 @@ def test_auto_mode_runs_lengths_and_segments_on_the_kernels():
         assert "jax_flash_fwd" in fwd and "jax_flash_bwd" in grad, kw
 
 
-def test_padded_rows_are_zero_with_zero_gradients():
+@pytest.mark.parametrize("family", ["best", "sm80", "sm75"])
+def test_padded_rows_are_zero_with_zero_gradients(monkeypatch, family):
     """Rows past a query length: output exactly 0, lse -inf, dQ exactly 0; keys past a key length
     get dK = dV = 0."""
-    q, k, v = qkv(rng_for("padded_rows"), jnp.bfloat16, 2, 300, 400, 2, 2, 128)
+    monkeypatch.setenv(_ffi.KERNELS_ENV, family)
+    q, k, v = qkv(rng_for("padded_rows", family), turing_dtype(family), 2, 300, 400, 2, 2, 128)
     kw = dict(query_seq_lengths=jnp.asarray([300, 120], jnp.int32),
               key_value_seq_lengths=jnp.asarray([50, 400], jnp.int32), implementation="cuda")
     out, lse = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, return_residual=True, **kw))(q, k, v)

@@ -19,19 +19,9 @@ KERNEL_CASES = ["none", "causal", "window_causal", "lengths_causal", "segments_c
                 "bias_broadcast", "mask", "softcap_bias_window", "everything"]
 
 
-class _Calls(list):
-    """(target, operand shapes) of every kernel call traced; `results[target]` and `attrs[target]`:
-    the result shapes and attributes of its last call."""
-
-    def __init__(self):
-        super().__init__()
-        self.results = {}
-        self.attrs = {}
-
-
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    fake_kernels.install(monkeypatch)
+    calls = fake_kernels.record_calls(monkeypatch)
     # Short query lengths here test the forward kernels' plumbing; the decode kernels' has its
     # own tests (test_decode.py).
     monkeypatch.setenv(_decode.DECODE_ENV, "0")
@@ -39,15 +29,6 @@ def kernel_calls(monkeypatch):
     # two differ only in the plumbing (a bias constant along the keys has a zero gradient, which
     # the dense path computes as 1e-7 and the blockwise one as its rounding, 1e-2 of the rows').
     monkeypatch.setattr(dense_impl, "budget_bytes", lambda: -1)
-    calls = _Calls()
-
-    def recording(target, result_types, operands, attrs):
-        calls.append((target, [x.shape for x in operands]))
-        calls.results[target] = [r.shape for r in result_types]
-        calls.attrs[target] = dict(attrs)
-        return fake_kernels.call_kernel(target, result_types, operands, attrs)
-
-    monkeypatch.setattr(_ffi, "call_kernel", recording)
     return calls
 
 

@@ -55,8 +55,8 @@ def test_each_capability_takes_the_kernels_or_cudnn(monkeypatch, cudnn_calls, ca
     assert bool(cudnn_calls) == (path == "cudnn")
     if path == "cudnn":  # implementation="cuda" still refuses, naming the GPU
         named = f"{capability[0]}\\.{capability[1]}"
-        # Too old for the kernels, or an install without code for it.
-        message = f"this GPU is {named}" if capability < (8, 0) else f"this GPU \\({named}\\)"
+        # Turing's kernels take no bf16, or an install without code for the GPU.
+        message = "float16 only" if capability < (8, 0) else f"this GPU \\({named}\\)"
         with pytest.raises(ValueError, match=message):
             jax_flash.attention(q, k, v, implementation="cuda")
 

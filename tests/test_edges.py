@@ -150,18 +150,19 @@ def test_the_grid_split_rule(batch_heads, fits):
     assert cuda_impl.grid_fits(batch_heads) is fits
 
 
-@pytest.mark.parametrize("capability,runs", [((7, 5), False), ((8, 0), True), ((8, 6), True), ((8, 9), True),
-                                             ((9, 0), True), ((10, 0), True), ((12, 0), True)])  # fmt: skip
+@pytest.mark.parametrize("capability,runs", [((7, 0), False), ((7, 5), True), ((8, 0), True), ((8, 6), True),
+                                             ((8, 9), True), ((9, 0), True), ((10, 0), True), ((12, 0), True)])  # fmt: skip
 def test_the_kernels_run_only_where_they_have_machine_code(monkeypatch, capability, runs):
-    """Auto mode takes the kernels on Ampere, Ada, Hopper and (from the default build's PTX)
-    Blackwell; on Turing it takes another path (cuDNN where jax.nn's runs, which it does not on this
-    CPU: test_cudnn_fallback.py; so xla here), and `implementation="cuda"` says why."""
+    """Auto mode takes the kernels on Turing (float16: test_turing_dispatch.py), Ampere, Ada, Hopper
+    and (from the default build's PTX) Blackwell; on Volta it takes another path (cuDNN where
+    jax.nn's runs, which it does not on this CPU: test_cudnn_fallback.py; so xla here), and
+    `implementation="cuda"` says why."""
     fake_kernels.install(monkeypatch)
     monkeypatch.setattr(_ffi, "device_capability", lambda: capability)
-    q = k = _shape_only((2, 64, 4, 64))
+    q = k = _shape_only((2, 64, 4, 64), jnp.float16)
     assert jax_flash.chosen_implementation(q, k, k) == ("cuda" if runs else "xla-dense")
     if not runs:
-        with pytest.raises(ValueError, match=f"compute capability 8.0 or newer .* this GPU is {capability[0]}"):
+        with pytest.raises(ValueError, match=f"compute capability 7.5 or newer .* this GPU is {capability[0]}"):
             jax_flash.chosen_implementation(q, k, k, implementation="cuda")
 
 
