@@ -42,7 +42,8 @@ def _inputs(t=64, s=64, n=4, kv_heads=2, h=64, dtype=jnp.bfloat16, seed=0):
 
 
 @pytest.mark.parametrize("capability,archs,path", [
-    ((7, 5), _ffi.DEFAULT_BUILT_ARCHS, "cudnn"), ((8, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"),
+    ((7, 0), _ffi.DEFAULT_BUILT_ARCHS, "cudnn"), ((7, 5), _ffi.DEFAULT_BUILT_ARCHS, "cudnn"),  # bf16 on Turing
+    ((8, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"),
     ((8, 9), _ffi.DEFAULT_BUILT_ARCHS, "cuda"), ((9, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"),
     ((10, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"), ((12, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"),  # from the PTX
     ((10, 0), ("80", "90a"), "cudnn"), ((12, 0), ("80", "90a"), "cudnn"),  # an install without it
@@ -55,8 +56,8 @@ def test_each_capability_takes_the_kernels_or_cudnn(monkeypatch, cudnn_calls, ca
     assert bool(cudnn_calls) == (path == "cudnn")
     if path == "cudnn":  # implementation="cuda" still refuses, naming the GPU
         named = f"{capability[0]}\\.{capability[1]}"
-        # Turing's kernels take no bf16, or an install without code for the GPU.
-        message = "float16 only" if capability < (8, 0) else f"this GPU \\({named}\\)"
+        # Too old for the kernels, Turing's take no bf16, or an install without code for the GPU.
+        message = {(7, 0): f"this GPU is {named}", (7, 5): "float16 only"}.get(capability, f"this GPU \\({named}\\)")
         with pytest.raises(ValueError, match=message):
             jax_flash.attention(q, k, v, implementation="cuda")
 
