@@ -5,6 +5,9 @@
 #   A wheel in .whl-h100/ (scripts/build_h100_wheel.sh, carried) replaces the build: its module is
 #   unpacked beside the sources.
 #   TESTS="tests/test_cuda.py" K="causal"   which tests the test step runs
+#   JAX_FLASH_KERNELS=sm80 JAX_FLASH_SMEM_LIMIT=101376   the grid as an sm_86/89 GPU runs it (the
+#                                           checks then run that family alone: tests/test_cuda.py's
+#                                           families_for); JAX_FLASH_KERNELS=sm75 as a T4 runs it
 #   TEST_TIMEOUT=300                        seconds before pytest is interrupted (SIGINT, so that it
 #                                           still prints what passed and failed so far)
 #   XDIST=4                                 run the tests in that many processes sharing the GPU
