@@ -96,10 +96,11 @@ def unsupported_reason(call: Call) -> str | None:
 
 def _turing_reason(call: Call) -> str | None:
     """Why the Turing family (on sm_75, or forced with JAX_FLASH_KERNELS=sm75) cannot run `call`, or None."""
+    widest = _widest_head_dim(call)
     if call.query.dtype != jnp.float16:
-        return f"on Turing (sm_75) the kernels take float16 only (its tensor cores have no bfloat16), got {call.query.dtype}"
-    if _widest_head_dim(call) > TURING_HEAD_DIMS[-1]:
-        return f"on Turing (sm_75) the kernels take head dims up to {TURING_HEAD_DIMS[-1]}, got {_widest_head_dim(call)}"
+        return f"on Turing (sm_75) the kernels take float16 only (no bfloat16 tensor cores), got {call.query.dtype}"
+    if widest > TURING_HEAD_DIMS[-1]:
+        return f"on Turing (sm_75) the kernels take head dims up to {TURING_HEAD_DIMS[-1]}, got {widest}"
     if not _no_bias_or_2d_mask(call):
         return ("on Turing (sm_75) the kernels take no bias, and no mask that varies along both queries and keys "
                 "(a mask along one of them runs as segment ids)")

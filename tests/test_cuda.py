@@ -238,7 +238,7 @@ _DETERMINISTIC_CASES = [(128, dict(is_causal=True)), (64, dict(local_window_size
 _TURING_DETERMINISTIC_CASES = [(h, kw) for h, kw in _DETERMINISTIC_CASES if h <= 128] + [(96, dict(is_causal=True))]
 
 
-@pytest.mark.parametrize("family,h,kw", [(family, h, kw) for family in ("best", "sm80") for h, kw in _DETERMINISTIC_CASES]
+@pytest.mark.parametrize("family,h,kw", [(f, h, kw) for f in ("best", "sm80") for h, kw in _DETERMINISTIC_CASES]
                          + [("sm75", h, kw) for h, kw in _TURING_DETERMINISTIC_CASES])  # fmt: skip
 def test_deterministic_mode_gives_identical_gradients(monkeypatch, family, h, kw):
     """JAX_FLASH_DETERMINISTIC=1: five backward runs are bit-identical (GQA, tails, bands whose
