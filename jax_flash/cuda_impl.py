@@ -286,7 +286,7 @@ def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, 
     if kernel_head_dim(_widest_head_dim(call), BWD_HEAD_DIMS) is None:  # above 256: no backward kernels
         return _xla_backward(call, out, lse, d_out, d_lse)[:3]
     call = mask_as_segments(call)
-    padded = forward_head_dims(call)[0] if _ffi.turing_kernels_run() else kernel_head_dim(_widest_head_dim(call))
+    padded = kernel_head_dim(_widest_head_dim(call), TURING_HEAD_DIMS if _ffi.turing_kernels_run() else FWD_HEAD_DIMS)
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))
     masks = _mask_arrays(call)
     residuals = (q, k, v, *_bias_arrays(call), None, out, lse.transpose(0, 2, 1), masks, _kernel_masks(q, k, *masks))

@@ -13,9 +13,8 @@
 namespace jax_flash {
 
 // Eight elements a thread (H is a multiple of 8): two float4 loads, one 16-byte store.
-// kFamily (75, 80 or 90): the kernel family that launches it. Each family's files compile for
-// their own targets (CMakeLists.txt), so each needs its own copy of this kernel, a symbol of its own:
-// copies of one symbol compiled for different targets would leave which one runs to the linker.
+// kFamily (75, 80 or 90): the kernel family that launches it, a symbol of its own for each
+// (bwd_preprocess.cuh says why).
 template <typename T, int kFamily>
 __global__ void __launch_bounds__(256) dq_from_rows(const BwdParams p) {
   const int64_t i = (int64_t(blockIdx.x) * 256 + threadIdx.x) * 8;

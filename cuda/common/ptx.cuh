@@ -65,29 +65,6 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// 16 bytes global -> shared, zero-filled when !valid: cp.async (the caller commits and waits),
-// or with Isa::kSm75 a load into registers and a store, done when it returns.
-template <Isa kIsa>
-__device__ __forceinline__ void copy_16(uint32_t dst, const void* src, bool valid) {
-  if constexpr (kIsa == Isa::kSm75) {
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (valid) v = __ldg(static_cast<const uint4*>(src));
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
-  } else {
-    cp_async_16(dst, src, valid);
-  }
-}
-// The same for 4 bytes.
-template <Isa kIsa>
-__device__ __forceinline__ void copy_4(uint32_t dst, const void* src, bool valid) {
-  if constexpr (kIsa == Isa::kSm75) {
-    const uint32_t v = valid ? __ldg(static_cast<const unsigned int*>(src)) : 0u;
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dst), "r"(v));
-  } else {
-    cp_async_4(dst, src, valid);
-  }
-}
-
 // ldmatrix.x4: four 8x8 b16 matrices; lane l gives the row address of matrix l / 8.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -239,6 +216,29 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "r"(addr));
   return v;
+}
+
+// 16 bytes global -> shared, zero-filled when !valid: cp.async (the caller commits and waits),
+// or with Isa::kSm75 a load into registers and a store, done when it returns.
+template <Isa kIsa>
+__device__ __forceinline__ void copy_16(uint32_t dst, const void* src, bool valid) {
+  if constexpr (kIsa == Isa::kSm75) {
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (valid) v = __ldg(static_cast<const uint4*>(src));
+    st_shared_v4(dst, v.x, v.y, v.z, v.w);
+  } else {
+    cp_async_16(dst, src, valid);
+  }
+}
+// The same for 4 bytes.
+template <Isa kIsa>
+__device__ __forceinline__ void copy_4(uint32_t dst, const void* src, bool valid) {
+  if constexpr (kIsa == Isa::kSm75) {
+    const uint32_t v = valid ? __ldg(static_cast<const unsigned int*>(src)) : 0u;
+    st_shared_b32(dst, v);
+  } else {
+    cp_async_4(dst, src, valid);
+  }
 }
 
 // dst[0..1] += (a, b) in global memory, without a return value: one red.v2 on sm_90, two red

@@ -27,8 +27,6 @@ using contract::fwd_sm90_supports_head_dim;
 using contract::fwd_sm90_unequal_supports_head_dims;
 using contract::fwd_sm90_wide_supports_head_dim;
 using contract::fwd_supports_head_dim;
-using contract::bwd_sm75_supports_head_dim;
-using contract::fwd_sm75_supports_head_dim;
 
 // Which kernel family a call may use: the fastest one for the device (the Turing family on sm_75),
 // or only the mma.sync (sm80) kernels, which run on every GPU from sm_80 on, or only the Turing
