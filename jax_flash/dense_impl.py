@@ -123,7 +123,13 @@ def _one_query_head_per_kv_head(q, k, v, bias, mask, band, *, scale: float, soft
                                 rows_see_keys: bool):
     """(out [B, T, K, H], lse [B, K, T]) for one query head of each kv head; `rows_see_keys`:
     known to leave no row without a key (then no guard against empty rows is computed)."""
-    acc = jnp.promote_types(q.dtype, jnp.float32)
+    acc, out_dtype = jnp.promote_types(q.dtype, jnp.float32), v.dtype
+    if min(q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]) == 1:
+        # Products with a side of 1 (one query, one key, head dim 1) are matrix-vector ones at most,
+        # which XLA's GPU backend rewrites as elementwise: in 16 bits those rounded the logits to
+        # 16 bits (lse off by 8.6e-3 at one query and one key, bfloat16) and refused F16_F16_F32
+        # ("Unsupported dot precision algorithm"). In float32 they cost nothing more.
+        q, k, v = (x.astype(acc) for x in (q, k, v))
     precision = _product_algorithm(q.dtype)
     logits = jnp.einsum("btkh,bskh->bkts", q, k, precision=precision, preferred_element_type=acc) * scale
     if softcap is not None:
@@ -142,7 +148,7 @@ def _one_query_head_per_kv_head(q, k, v, bias, mask, band, *, scale: float, soft
         finite = jnp.maximum(logits, jnp.finfo(acc).min)
         probs = jax.nn.softmax(finite, axis=-1) * seen
         lse = jnp.where(seen, jax.nn.logsumexp(finite, axis=-1, keepdims=True), -jnp.inf)[..., 0]
-    return jnp.einsum("bkts,bskh->btkh", probs.astype(v.dtype), v, precision=precision), lse
+    return jnp.einsum("bkts,bskh->btkh", probs.astype(v.dtype), v, precision=precision).astype(out_dtype), lse
 
 
 def attention(call: Call) -> tuple[jax.Array, jax.Array]:

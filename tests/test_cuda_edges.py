@@ -21,15 +21,15 @@ pytestmark = pytest.mark.gpu
 FAMILIES = ["best", "sm80"]
 
 
-def _forward_and_gradients(q, k, v, g_out, **kw):
-    """Output, lse and (dq, dk, dv) of sum(out * g_out) on the kernels."""
+def _forward_and_gradients(q, k, v, g_out, implementation="cuda", **kw):
+    """Output, lse and (dq, dk, dv) of sum(out * g_out) on the kernels (or `implementation`)."""
 
     def loss(q, k, v):
-        return jnp.sum(jax_flash.attention(q, k, v, implementation="cuda", **kw).astype(jnp.float32) * g_out)
+        return jnp.sum(jax_flash.attention(q, k, v, implementation=implementation, **kw).astype(jnp.float32) * g_out)
 
     poison_free_memory()
     out, lse = jax.jit(lambda q, k, v: jax_flash.attention(
-        q, k, v, implementation="cuda", return_residual=True, **kw))(q, k, v)  # fmt: skip
+        q, k, v, implementation=implementation, return_residual=True, **kw))(q, k, v)  # fmt: skip
     poison_free_memory()
     return out, lse, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
@@ -122,6 +122,24 @@ def test_small_shapes(shape):
     """Against the float64 reference and the xla path, in both families (tests/test_cuda.check)."""
     b, t, s, n, kv_heads, h, kw = SMALL[shape]
     check(jnp.bfloat16, b, t, s, n, kv_heads, h, **kw)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("t,s,h", [(1, 1, 64), (7, 1, 64), (1, 7, 64), (70, 90, 1)])
+def test_the_xla_path_on_the_gpu_with_a_side_of_one(dtype, t, s, h):
+    """The xla path's products on a GPU (dense_impl.py) with T, S or the head dim 1, which XLA
+    turns into elementwise products (in 16 bits float16 failed there, "Unsupported dot precision
+    algorithm", and bfloat16 rounded the lse to 16 bits); against the float64 reference, forward
+    and gradients."""
+    rng = rng_for("xla on gpu", dtype, t, s, h)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, n, 4, h)), dtype) for n in (t, s, s))
+    g_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    out, lse, grads = _forward_and_gradients(q, k, v, g_out, implementation="xla")
+    ref_out, ref_lse, ref_grads = _reference(q, k, v, g_out)
+    assert reference.rel_error(out, ref_out) < FWD_TOL
+    assert reference.rel_error(lse, ref_lse) < 1e-4
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert reference.rel_error(g, r) < GRAD_TOL, f"d{name}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
