@@ -102,8 +102,8 @@ def check(dtype, b, t, s, n, kv_heads, h, key_growth=1.0, families=None, **kw):
     and the xla path; returns the inputs and the first family's results. key_growth: the first key is
     scaled by 1, the last by it, linearly in between (the sm90 forward visits the keys first to
     last, so each key block raises the rows' maxima)."""
-    if os.environ.get(_ffi.KERNELS_ENV) == "sm75":
-        dtype = jnp.float16  # the grid run as a T4: its kernels on the same shapes (bfloat16: test_turing_dispatch)
+    # The grid run as a T4 (JAX_FLASH_KERNELS=sm75): its kernels in float16 on the same shapes.
+    dtype = turing_dtype(os.environ.get(_ffi.KERNELS_ENV, ""), dtype)
     rng = rng_for("cuda", dtype, b, t, s, n, kv_heads, h, key_growth, tuple(sorted(kw.items())))
     q, k, v = qkv(rng, dtype, b, t, s, n, kv_heads, h)
     if key_growth != 1.0:
