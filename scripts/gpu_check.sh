@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the extension (incrementally, in the ignored build/ folder),
 # run the GPU tests, run the benchmark. Logs go to $OUT (the device tool's result folder) or
-# ./gpu_logs. Usage: scripts/gpu_check.sh [build|test|bench|sanitize|profile|all]
+# ./gpu_logs. Usage: scripts/gpu_check.sh [build|test|grid|bench|sanitize|profile|all]
 #   A wheel in .whl-h100/ (scripts/build_h100_wheel.sh, carried) replaces the build: its module is
 #   unpacked beside the sources.
 #   TESTS="tests/test_cuda.py" K="causal"   which tests the test step runs
@@ -14,6 +14,14 @@
 #                                           (pytest-xdist, carried as a wheel in .whl/ with execnet;
 #                                           most of a GPU test's time is XLA compiling), then the
 #                                           `timing` tests alone; TEST_TIMEOUT covers both
+#   GRID="99k 163k sm75"                    the grid step (not part of all): the GPU tests but the timing
+#                                           ones under each setting (best: none; 99k and 163k: the sm80
+#                                           family under that shared-memory cap; sm75: Turing forced), in
+#                                           XDIST processes (14 by default), then the `large` ones one at
+#                                           a time (several at once exhaust the GPU's memory); a log a
+#                                           setting, -v so that it names what passed when the call's time
+#                                           runs out. TESTS and K narrow it; XLA's compiled programs are
+#                                           cached in build/jax_cache (the references compile once)
 #   BENCH="--quick"                         arguments of python -m jax_flash.bench
 #   PROFILE="--head-dim 128" NCU_KERNEL=bwd_kernel   the profile step: ncu on one kernel of one
 #                                           shape (not part of all); NCU_NAME_BASE=demangled matches
@@ -79,6 +87,27 @@ if [[ $step == test || $step == all ]]; then
     timeout -s INT -k 20 ${TEST_TIMEOUT:-3000} $PY -m pytest -q -x -m gpu ${TESTS:-tests/test_cuda.py} ${K:+-k "$K"} \
       2>&1 | tee "$OUT/tests.log" | tail -30
   fi
+fi
+
+if [[ $step == grid ]]; then
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_COMPILATION_CACHE_DIR=$PWD/build/jax_cache \
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+  for setting in ${GRID:-best 99k 163k sm75}; do
+    case $setting in
+      best) env=() ;;
+      99k) env=(JAX_FLASH_KERNELS=sm80 JAX_FLASH_SMEM_LIMIT=101376) ;;
+      163k) env=(JAX_FLASH_KERNELS=sm80 JAX_FLASH_SMEM_LIMIT=166912) ;;
+      sm75) env=(JAX_FLASH_KERNELS=sm75) ;;
+      *) echo "unknown grid setting $setting"; exit 1 ;;
+    esac
+    tests=${TESTS:-tests/test_cuda*.py}
+    env "${env[@]}" timeout -s INT -k 20 ${TEST_TIMEOUT:-3000} $PY -m pytest -v -n ${XDIST:-14} \
+      -m "gpu and not timing and not large" $tests ${K:+-k "$K"} > "$OUT/grid_$setting.log" 2>&1
+    env "${env[@]}" timeout -s INT -k 20 ${TEST_TIMEOUT:-3000} $PY -m pytest -v -m "gpu and large" $tests \
+      ${K:+-k "$K"} >> "$OUT/grid_$setting.log" 2>&1
+    echo "== $setting: $(grep -E "^=+ .*(passed|failed|error).* in " "$OUT/grid_$setting.log" | tr '\n' ' ')"
+    grep -E "^FAILED|^ERROR" "$OUT/grid_$setting.log" | head -20
+  done
 fi
 
 if [[ $step == bench || $step == all ]]; then
