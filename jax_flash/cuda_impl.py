@@ -23,9 +23,10 @@ BWD_HEAD_DIMS = _contract.BWD_HEAD_DIMS  # 192 runs the 256 kernels, zero-padded
 # head dims whose backward kernels run only there, without a bias or mask (backward_head_dims).
 HOPPER_BWD_HEAD_DIMS = _contract.BWD_SM90_NO_BIAS_HEAD_DIMS
 # Above 256: the forward alone (Hopper's or the mma.sync one; no bias or mask); the gradients from
-# the xla path's backward.
+# the xla path's backward. Above 512 Hopper's alone (pairs of CTAs that split the head dim).
 WIDE_FWD_HEAD_DIMS = _contract.FWD_SM90_WIDE_HEAD_DIMS
-assert WIDE_FWD_HEAD_DIMS == _contract.FWD_SM80_WIDE_HEAD_DIMS, "both families take the same head dims"
+SM80_WIDE_FWD_HEAD_DIMS = _contract.FWD_SM80_WIDE_HEAD_DIMS
+assert WIDE_FWD_HEAD_DIMS[: len(SM80_WIDE_FWD_HEAD_DIMS)] == SM80_WIDE_FWD_HEAD_DIMS, "the mma.sync ones are Hopper's first"
 # (query/key, value) head dims with a forward kernel and a backward of their own (Hopper; no bias or mask).
 UNEQUAL_FWD_HEAD_DIMS = _contract.FWD_SM90_UNEQUAL_HEAD_DIMS
 UNEQUAL_BWD_HEAD_DIMS = _contract.BWD_SM90_UNEQUAL_HEAD_DIMS
@@ -116,7 +117,10 @@ def _wide_reason(call: Call, capability: tuple[int, int], archs: tuple[str, ...]
                 "both queries and keys, in the kernels (a mask along one of them runs as segment ids)")
     if _hopper_kernels_run(capability, archs):
         return None
-    padded = kernel_head_dim(widest, WIDE_FWD_HEAD_DIMS)
+    padded = kernel_head_dim(widest, SM80_WIDE_FWD_HEAD_DIMS)
+    if padded is None:
+        return (f"head dims above {SM80_WIDE_FWD_HEAD_DIMS[-1]} (got {widest}) run on Hopper's kernels alone (sm_90a, "
+                "pairs of thread blocks in a cluster)")
     need, limit = _ffi.extension().sm80_wide_forward_smem_bytes(padded), _ffi.smem_limit()
     if need > limit:
         return (f"the mma.sync forward at head dim {padded} needs {need} bytes of shared memory a block; this GPU "

@@ -23,7 +23,8 @@ HEAD_DIMS = {
     "fwd_sm90": (64, 128, 192, 256),  # Hopper (wgmma) forward; the others run the sm80 kernels there
     "bwd_sm90": (64, 128, 256),
     "bwd_sm90_no_bias": (192,),  # Hopper backward without a bias or mask; with one, 192 runs the 256 kernels
-    "fwd_sm90_wide": (320, 384, 448, 512),  # Hopper forward above 256 (no bias or mask; xla's backward)
+    # Hopper forward above 256 (no bias or mask; xla's backward); above 512 pairs of CTAs split the head dim
+    "fwd_sm90_wide": (320, 384, 448, 512, 640, 768, 896, 1024),
     "fwd_sm80_wide": (320, 384, 448, 512),  # mma.sync forward above 256 (the same)
     "decode": (32, 64, 96, 128, 192, 256),
     # Turing (sm_75): fp16 only, no bias; other head dims up to 128 pad up, the rest take the xla path

@@ -303,9 +303,9 @@ def test_cuda_raises_on_what_it_cannot_run():
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         jax_flash.attention(q, k, v, implementation="cuda")
     # Under the Turing family, head dims above 128 are refused first.
-    widest = "up to 128, got 576" if KERNEL_DTYPE == jnp.float16 else "576 is above the largest supported"
+    widest = "up to 128, got 1088" if KERNEL_DTYPE == jnp.float16 else "1088 is above the largest supported"
     with pytest.raises(ValueError, match=f"head dims? {widest}"):
-        q = jnp.zeros((1, 16, 2, 576), KERNEL_DTYPE)
+        q = jnp.zeros((1, 16, 2, 1088), KERNEL_DTYPE)
         jax_flash.attention(q, q, q, implementation="cuda")
 
 

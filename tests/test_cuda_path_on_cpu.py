@@ -335,10 +335,11 @@ def test_a_backward_beyond_the_gpus_shared_memory_takes_the_xla_path(kernel_call
         jax.grad(_loss("cuda", kw), argnums)(*args)
 
 
-@pytest.mark.parametrize("h,padded", [(300, 320), (512, 512)])
+@pytest.mark.parametrize("h,padded", [(300, 320), (512, 512), (576, 640), (1000, 1024)])
 def test_head_dims_above_256_take_the_forward_kernel_and_the_xla_backward(kernel_calls, h, padded):
-    """Above 256 (Hopper only): the forward kernel at a multiple of 64 (zero-padded), the gradients from
-    the xla path's backward on its residuals; implementation="cuda" cannot differentiate."""
+    """Above 256 (Hopper only): the forward kernel at a multiple of 64 up to 512, of 128 above (a
+    pair of CTAs, each half the columns), zero-padded; the gradients from the xla path's backward
+    on its residuals; implementation="cuda" cannot differentiate."""
     rng = rng_for("cuda-path-wide", h)
     q, k, v = qkv(rng, jnp.bfloat16, 2, 40, 56, 4, 2, h)
     kw = {"is_causal": True}
@@ -377,16 +378,19 @@ def test_head_dims_above_256_run_the_mma_sync_forward_off_hopper(kernel_calls, m
 @pytest.mark.parametrize("case,reason", [
     ("sm_86 at 384", "needs 103424 bytes of shared memory a block; this GPU allows 101376"),
     ("bias", "without a bias"), ("mask over queries and keys", "a mask that varies along both queries and keys"),
-    ("576", "head dim 576 is above the largest supported \\(512\\)"),
+    ("1088", "head dim 1088 is above the largest supported \\(1024\\)"),
+    ("ampere at 576", "head dims above 512 \\(got 576\\) run on Hopper's kernels alone"),
 ])  # fmt: skip
 def test_head_dims_above_256_elsewhere_take_the_other_paths(kernel_calls, monkeypatch, case, reason):
-    h = {"576": 576, "sm_86 at 384": 384}.get(case, 320)
+    h = {"1088": 1088, "ampere at 576": 576, "sm_86 at 384": 384}.get(case, 320)
     q = jnp.zeros((1, 16, 2, h), jnp.bfloat16)
     bias = jnp.zeros((1, 2, 16, 16), jnp.float32) if case == "bias" else None
     mask = jnp.tril(jnp.ones((16, 16), bool))[None, None] if case == "mask over queries and keys" else None
     if case == "sm_86 at 384":  # the mma.sync forward's 101 KB at 384 (cuda/sm80/wide_fwd/config.cuh)
         monkeypatch.setattr(_ffi, "device_capability", lambda: (8, 6))
         monkeypatch.setattr(_ffi.extension(), "sm80_wide_forward_smem_bytes", lambda head_dim: 103424)
+    if case == "ampere at 576":
+        monkeypatch.setattr(_ffi, "device_capability", lambda: (8, 0))
     assert jax_flash.chosen_implementation(q, q, q, bias=bias, mask=mask).startswith("xla")
     with pytest.raises(ValueError, match=reason):
         jax_flash.attention(q, q, q, bias, mask, implementation="cuda")

@@ -47,6 +47,49 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
   }
 }
 
+// --- thread block clusters: a CTA's rank, its peers' shared memory, cluster barriers ---
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+// The address in CTA `rank`'s shared memory (a shared::cluster address) of the same offset as
+// this CTA's `addr`.
+__device__ __forceinline__ uint32_t mapa_shared(uint32_t addr, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+// Every thread of the cluster: arrive (releasing this thread's writes), then wait for the others.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// Four 32-bit values to a peer CTA's shared memory (`remote`, 16-byte aligned), counted as 16
+// bytes delivered on the peer's barrier `remote_bar` (both shared::cluster addresses).
+__device__ __forceinline__ void st_async_v4(uint32_t remote, float a, float b, float c, float d, uint32_t remote_bar) {
+  asm volatile("st.async.weak.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(remote),
+               "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(__float_as_uint(c)), "r"(__float_as_uint(d)),
+               "r"(remote_bar)
+               : "memory");
+}
+// One arrival on a peer CTA's barrier (a shared::cluster address), releasing this thread's
+// earlier accesses at cluster scope.
+__device__ __forceinline__ void mbarrier_arrive_remote(uint32_t remote_bar) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote_bar) : "memory");
+}
+// mbarrier_wait for a barrier that a peer CTA's accesses complete: acquires at cluster scope.
+__device__ __forceinline__ void mbarrier_wait_cluster(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+
 // --- global reductions ---
 // Four adjacent floats (16-byte aligned) added in one request (sm_90).
 __device__ __forceinline__ void red_add_f32x4(float* addr, float a, float b, float c, float d) {

@@ -35,8 +35,8 @@ using BwdSm90HeadDims = std::integer_sequence<int, 64, 128, 256>;
 constexpr bool bwd_sm90_supports_head_dim(int d) { return d == 64 || d == 128 || d == 256; }
 using BwdSm90NoBiasHeadDims = std::integer_sequence<int, 192>;
 constexpr bool bwd_sm90_no_bias_supports_head_dim(int d) { return d == 192; }
-using FwdSm90WideHeadDims = std::integer_sequence<int, 320, 384, 448, 512>;
-constexpr bool fwd_sm90_wide_supports_head_dim(int d) { return d == 320 || d == 384 || d == 448 || d == 512; }
+using FwdSm90WideHeadDims = std::integer_sequence<int, 320, 384, 448, 512, 640, 768, 896, 1024>;
+constexpr bool fwd_sm90_wide_supports_head_dim(int d) { return d == 320 || d == 384 || d == 448 || d == 512 || d == 640 || d == 768 || d == 896 || d == 1024; }
 using FwdSm80WideHeadDims = std::integer_sequence<int, 320, 384, 448, 512>;
 constexpr bool fwd_sm80_wide_supports_head_dim(int d) { return d == 320 || d == 384 || d == 448 || d == 512; }
 using DecodeHeadDims = std::integer_sequence<int, 32, 64, 96, 128, 192, 256>;

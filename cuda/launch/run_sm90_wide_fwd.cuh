@@ -1,5 +1,6 @@
-// Launcher of the Hopper forward at head dims 320-512 (sm90/wide_fwd_kernel.cuh): one CTA a
-// 64-row query tile of each (batch, head). No synchronisation and no allocation.
+// Launcher of the Hopper forward at head dims 320-1024 (sm90/wide_fwd_kernel.cuh): one CTA a
+// 64-row query tile of each (batch, head), above 512 a cluster of two that split the head dim. No
+// synchronisation and no allocation.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,8 +29,19 @@ cudaError_t run_wide_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
   dim3 grid;
   if (cudaError_t e = batch_head_grid(blocks, int64_t(p.batch) * p.heads, &grid); e != cudaSuccess) return e;
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
-  return cudaGetLastError();
+  grid.x *= Cfg::kSplit;
+  if constexpr (Cfg::kSplit == 1) {
+    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(maps, p);
+    return cudaGetLastError();
+  } else {
+    cudaLaunchConfig_t config{grid, dim3(Cfg::kThreads), size_t(Cfg::kSmemBytes), stream, nullptr, 0};
+    cudaLaunchAttribute pair{};
+    pair.id = cudaLaunchAttributeClusterDimension;
+    pair.val.clusterDim = {Cfg::kSplit, 1, 1};
+    config.attrs = &pair;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, maps, p);
+  }
 }
 
 }  // namespace jax_flash

@@ -1,14 +1,15 @@
-// The Hopper forward at head dims 320, 384, 448 and 512 (sm90/wide_fwd/config.cuh). One CTA a 64-row query
-// tile: a producer thread copies Q once, then each key block's K and V (one buffer each: K of
+// The Hopper forward at head dims 320-512, and 640-1024 as pairs of CTAs that split the head dim
+// (sm90/wide_fwd/config.cuh). One CTA (or pair) a 64-row query tile: a producer thread copies Q once, then each key block's K and V (one buffer each: K of
 // block j + 1 loads under P V of block j, V of j + 1 under S of j + 1). Each key block:
-//   1. consumer w computes S for its 32 keys over the whole head dim (wgmma m64n32);
+//   1. consumer w computes S for its 32 keys over the whole head dim (wgmma m64n32); in a pair,
+//      over its CTA's half, then adds the peer's half (score_exchange.cuh);
 //   2. cap and band mask; the rows' maxima meet in shared memory (named barrier 1), so that both
 //      consumers rescale with the same maximum;
 //   3. P of its keys to shared memory (the A operand of P V), O rescaled (named barrier 2);
 //   4. O[:, its panels] += P (all 64 keys) V[:, its panels] (the first half of the 64-column
 //      panels, rounded up, consumer 0's; the rest consumer 1's).
 // At the end the rows' sums meet the same way, each consumer stores its panels of O and consumer 0
-// the log-sum-exp.
+// (of the pair's first CTA) the log-sum-exp.
 #pragma once
 
 #include <cmath>
@@ -31,13 +32,14 @@
 namespace jax_flash::sm90 {
 
 // One consumer warpgroup's part of a tile (the kernel below): S of its 32 keys of each block, and
-// O's kOChunks 64-column panels from first_panel; row_stats: the consumers' row statistics in
-// shared memory (Cfg::kRowStats, common/split_rows.cuh). Every argument by reference or a constant.
+// O's kOChunks 64-column panels from first_panel (of the CTA's columns, which start at column
+// rank * kCtaHeadDim); row_stats: the consumers' row statistics in shared memory (Cfg::kRowStats,
+// common/split_rows.cuh). Every argument by reference or a constant.
 template <typename Cfg, Variant kVariant, int kOChunks>
 __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, const uint32_t& base,
                                         float* const& row_stats, const int& n_first, const int& blocks,
                                         const int& q_first, const int& batch, const int& head, const int& consumer,
-                                        const int& first_panel) {
+                                        const int& first_panel, const int& rank) {
   using T = typename Cfg::T;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHalfKeys = Cfg::kKeysPerConsumer;
   constexpr float kLog2e = 1.4426950408889634f;
@@ -50,6 +52,12 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
   using LogitsT = Logits<cap_of(kVariant)>;
   const LogitsT logits = LogitsT::from(p);
   const float scale_log2 = logits.unit * kLog2e;
+  using Exchange = typename Cfg::Exchange;
+  Exchange exchange{};
+  if constexpr (Cfg::kSplit == 2) {
+    exchange = Exchange::make(base + Cfg::kInboxes + consumer * Exchange::kInboxBytes,
+                              barrier(Cfg::kScoresFull + consumer), barrier(Cfg::kScoresEmpty + consumer), tid);
+  }
 
   float o[kOChunks][32];
 #pragma unroll
@@ -70,11 +78,12 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
     float s[kHalfKeys / 2];
     ptx::mbarrier_wait(barrier(Cfg::kKFull), phase);
     ptx::wgmma_fence();
-    wgmma_over_head_dim<T, Cfg::kHeadDim, kBlockM, kBlockN>(s, q_desc, k_desc);
+    wgmma_over_head_dim<T, Cfg::kCtaHeadDim, kBlockM, kBlockN>(s, q_desc, k_desc);
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
     ptx::fence_registers(s);
     ptx::mbarrier_arrive(barrier(Cfg::kKEmpty));
+    if constexpr (Cfg::kSplit == 2) exchange.add_peer(s, j);  // the other half of the head dim's columns
 
     // 2. Cap, band mask, and the rows' maxima over both consumers' keys.
     if constexpr (LogitsT::kMayCap) {
@@ -137,7 +146,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
   const int rows_valid = min(kBlockM, p.seqlen_q - q_first);
   const int64_t row_stride = int64_t(p.heads) * Cfg::kHeadDim;
   T* const out = static_cast<T*>(p.o) + (int64_t(batch) * p.seqlen_q + q_first) * row_stride +
-                 int64_t(head) * Cfg::kHeadDim + first_panel * 64;
+                 int64_t(head) * Cfg::kHeadDim + rank * Cfg::kCtaHeadDim + first_panel * 64;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const RowTotal total = split.total(own[r], r);
@@ -151,12 +160,13 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
           *reinterpret_cast<uint32_t*>(out + rows[r] * row_stride + c * 64 + accum.col(i)) =
               ptx::pack2<T>(o[c][i] * inv, o[c][i + 1] * inv);
         }
-      if (consumer == 0 && lane % 4 == 0) {
+      if (consumer == 0 && rank == 0 && lane % 4 == 0) {
         p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_first + rows[r]] =
             total.lse(row_max[r], logits.unit);
       }
     }
   }
+  if constexpr (Cfg::kSplit == 2) exchange.drain(blocks);
 }
 
 // kVariant: kPlain, kMasked (lengths, segment ids) or kSoftcap; bias and mask run elsewhere.
@@ -173,7 +183,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   float* const row_stats = reinterpret_cast<float*>(smem_raw + (base - ptx::smem_addr(smem_raw)) + Cfg::kRowStats);
   auto barrier = [&](int b) { return base + Cfg::kBarriers + 8 * b; };
 
-  const int q_first = blockIdx.x * kBlockM;
+  // A pair's CTAs (kSplit = 2: a cluster of blockIdx.x 2i and 2i + 1) share the query tile.
+  const int rank = Cfg::kSplit == 2 ? int(ptx::cluster_ctarank()) : 0;
+  const int q_first = blockIdx.x / Cfg::kSplit * kBlockM;
   const int batch = batch_head_index() / p.heads, head = batch_head_index() % p.heads;
   const int kv_head = head / (p.heads / p.kv_heads);
   const Band band = Band::from<kMasked>(p, batch);
@@ -187,9 +199,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::mbarrier_init(barrier(Cfg::kVFull), 1);
     ptx::mbarrier_init(barrier(Cfg::kKEmpty), 256);
     ptx::mbarrier_init(barrier(Cfg::kVEmpty), 256);
+    for (int c = 0; c < 2; ++c) {
+      ptx::mbarrier_init(barrier(Cfg::kScoresFull + c), Cfg::Exchange::kFullArrivals);
+      ptx::mbarrier_init(barrier(Cfg::kScoresEmpty + c), Cfg::Exchange::kEmptyArrivals);
+    }
     ptx::fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (Cfg::kSplit == 2) {
+    ptx::cluster_sync();  // the peer's barriers are initialised before anything arrives on them
+  } else {
+    __syncthreads();
+  }
 
   if (threadIdx.x < 128) {  // the producer
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
@@ -197,7 +217,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     auto load = [&](const CUtensorMap* map, uint32_t dst, uint32_t full, int row, int head_) {
       ptx::mbarrier_arrive_expect_tx(full, Cfg::kTileBytes);
       for (int panel = 0; panel < kPanels; ++panel) {
-        ptx::tma_load_4d(dst + panel * Cfg::kPanelBytes, map, full, panel * 64, head_, row, batch);
+        ptx::tma_load_4d(dst + panel * Cfg::kPanelBytes, map, full, rank * Cfg::kCtaHeadDim + panel * 64, head_, row,
+                         batch);
       }
     };
     load(&maps.q, base + Cfg::kQ, barrier(Cfg::kQFull), q_first, head);
@@ -215,11 +236,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int consumer = threadIdx.x / 128 - 1;
   // O's panels of each consumer are a constant of its code: consumer 1 has one fewer at 320, 448.
   if (consumer == 0) {
-    consume<Cfg, kVariant, Cfg::kOChunks0>(p, band, base, row_stats, n_first, blocks, q_first, batch, head, 0, 0);
+    consume<Cfg, kVariant, Cfg::kOChunks0>(p, band, base, row_stats, n_first, blocks, q_first, batch, head, 0, 0,
+                                           rank);
   } else {
     const int first_panel = Cfg::kOChunks0;
     consume<Cfg, kVariant, Cfg::kOChunks1>(p, band, base, row_stats, n_first, blocks, q_first, batch, head, 1,
-                                           first_panel);
+                                           first_panel, rank);
   }
 #endif
 }
