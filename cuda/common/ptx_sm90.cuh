@@ -67,10 +67,10 @@ __device__ __forceinline__ void cluster_sync() {
 // Four 32-bit values to a peer CTA's shared memory (`remote`, 16-byte aligned), counted as 16
 // bytes delivered on the peer's barrier `remote_bar` (both shared::cluster addresses).
 __device__ __forceinline__ void st_async_v4(uint32_t remote, float a, float b, float c, float d, uint32_t remote_bar) {
-  asm volatile("st.async.weak.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(remote),
-               "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(__float_as_uint(c)), "r"(__float_as_uint(d)),
-               "r"(remote_bar)
-               : "memory");
+  asm volatile(
+      "st.async.weak.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(remote),
+      "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(__float_as_uint(c)), "r"(__float_as_uint(d)), "r"(remote_bar)
+      : "memory");
 }
 // One arrival on a peer CTA's barrier (a shared::cluster address), releasing this thread's
 // earlier accesses at cluster scope.

@@ -1,6 +1,7 @@
 // The Hopper forward at head dims 320-512, and 640-1024 as pairs of CTAs that split the head dim
-// (sm90/wide_fwd/config.cuh). One CTA (or pair) a 64-row query tile: a producer thread copies Q once, then each key block's K and V (one buffer each: K of
-// block j + 1 loads under P V of block j, V of j + 1 under S of j + 1). Each key block:
+// (sm90/wide_fwd/config.cuh). One CTA (or pair) a 64-row query tile: a producer thread copies Q
+// once, then each key block's K and V (one buffer each: K of block j + 1 loads under P V of block
+// j, V of j + 1 under S of j + 1). Each key block:
 //   1. consumer w computes S for its 32 keys over the whole head dim (wgmma m64n32); in a pair,
 //      over its CTA's half, then adds the peer's half (score_exchange.cuh);
 //   2. cap and band mask; the rows' maxima meet in shared memory (named barrier 1), so that both
