@@ -139,7 +139,7 @@ def turing_kernels_run() -> bool:
 # Shared memory a block may opt in to, by compute capability (the CUDA programming guide); other
 # GPUs are taken as the smallest of those from 8.0 on. The Hopper kernels run on 9.0 alone; the
 # mma.sync backward's usual tiles take 114-209 KB a block, more than sm_86 and sm_89 allow, its
-# compact ones 65-145 KB (none at d = 96).
+# compact ones 65-145 KB.
 SMEM_OPTIN_BY_CAPABILITY = {(7, 5): 65536, (8, 0): 166912, (8, 7): 166912, (8, 6): 101376, (8, 9): 101376,
                             (9, 0): 232448, (10, 0): 232448, (10, 3): 232448, (12, 0): 101376, (12, 1): 101376}
 # A number of bytes: the limit the dispatch assumes instead of the GPU's (read when a call is

@@ -260,8 +260,7 @@ int sm80_backward_smem_bytes(int head_dim) {
   int bytes = 0;
   for_head_dim(contract::BwdHeadDims{}, head_dim, [&](auto d) {
     constexpr int kHeadDim = decltype(d)::value;
-    constexpr bool kCompact = sm80::has_compact_bwd(kHeadDim);
-    bytes = sm80::BwdConfig<__nv_bfloat16, kHeadDim, kCompact>::kSmemBytes;  // the same for fp16
+    bytes = sm80::BwdConfig<__nv_bfloat16, kHeadDim, true>::kSmemBytes;  // the compact tiles; the same for fp16
     return cudaSuccess;
   });
   return bytes;

@@ -40,7 +40,7 @@ cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, cudaSt
 cudaError_t run_decode(DType dtype, const DecodeParams& p, cudaStream_t stream);
 
 // Bytes of shared memory a block of the mma.sync backward takes at this head dim with its smallest
-// tiles (the compact ones where it has them; 0: no kernel). The Python dispatch weighs it against
+// tiles (the compact ones; 0: no kernel). The Python dispatch weighs it against
 // the GPU's limit (sm_86 and sm_89 allow 99 KB a block, sm_80 163 KB).
 int sm80_backward_smem_bytes(int head_dim);
 // The same for the mma.sync forward: at most 96 KB at every head dim up to 256, the largest over

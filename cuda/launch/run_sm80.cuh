@@ -57,10 +57,8 @@ cudaError_t run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   int limit = current_device_limits().smem_optin;  // 0 where the runtime cannot say
   if (p.smem_limit > 0 && (limit <= 0 || p.smem_limit < limit)) limit = p.smem_limit;
   if (limit <= 0 || Cfg::kSmemBytes <= limit) return launch_bwd_mma<Cfg, kVariant>(p, stream);
-  if constexpr (sm80::has_compact_bwd(kHeadDim)) {
-    using Compact = sm80::BwdConfig<T, kHeadDim, true>;
-    if (Compact::kSmemBytes <= limit) return launch_bwd_mma<Compact, kVariant>(p, stream);
-  }
+  using Compact = sm80::BwdConfig<T, kHeadDim, true>;
+  if (Compact::kSmemBytes <= limit) return launch_bwd_mma<Compact, kVariant>(p, stream);
   return cudaErrorInvalidConfiguration;
 }
 

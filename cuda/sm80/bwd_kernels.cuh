@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   // dV += P^T dO, dK += dS^T Q: A = ldmatrix.trans of P (dS), matrix i holding keys +8*(i%2) x
   // queries +8*(i/2); B = ldmatrix.trans of dO (Q): queries +0/+8 x dims of n8 tiles d, d+1.
   const ChunkWalk<PTile, 2> at_p(sP, (lane / 16) * 8 + lane % 8, dkv_n / 8 + (lane / 8) % 2);
-  const ChunkWalk<QTile, kDkvTiles / 2> bt_q(stage_q(0), lane % 8 + ((lane / 8) % 2) * 8, dkv_d / 8 + lane / 16);
+  const ChunkWalk<QTile, (kDkvTiles + 1) / 2> bt_q(stage_q(0), lane % 8 + ((lane / 8) % 2) * 8, dkv_d / 8 + lane / 16);
   // dQ = dS K: A = rows of dS, B = ldmatrix.trans of K.
   const ChunkWalk<PTile, kBlockN / 16> a_ds(sDs, dq_m + lane % 16, lane / 16);
   const ChunkWalk<KTile, kDqNTiles / 2> bt_k(sK, lane % 8 + ((lane / 8) % 2) * 8, dq_d / 8 + lane / 16);
@@ -183,20 +183,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
         ptx::ldmatrix_x4_trans(a_p[mt], at_p(mt, ks * 16));
         ptx::ldmatrix_x4_trans(a_ds[mt], at_p(mt, ks * 16) + kDsFromP);
       }
+      // B fragments of n8 tiles d and d + 1, or of d alone where it is an odd last one (H = 96
+      // with 64 keys: 3 a warp).
+      auto load_b = [&](uint32_t (&b)[4], uint32_t addr, int d) {
+        if (d + 1 < kDkvTiles) {
+          ptx::ldmatrix_x4_trans(b, addr);
+        } else {
+          ptx::ldmatrix_x2_trans(b[0], b[1], addr);
+        }
+      };
 #pragma unroll
       for (int d = 0; d < kDkvTiles; d += 2) {
         uint32_t b[4];
-        ptx::ldmatrix_x4_trans(b, bt_q(d / 2, ks * 16) + stage_offset + kDoFromQ);
+        load_b(b, bt_q(d / 2, ks * 16) + stage_offset + kDoFromQ, d);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           ptx::mma_16816<T, Cfg::kIsa>(acc_dv[mt][d], a_p[mt], b[0], b[1]);
-          ptx::mma_16816<T, Cfg::kIsa>(acc_dv[mt][d + 1], a_p[mt], b[2], b[3]);
+          if (d + 1 < kDkvTiles) ptx::mma_16816<T, Cfg::kIsa>(acc_dv[mt][d + 1], a_p[mt], b[2], b[3]);
         }
-        ptx::ldmatrix_x4_trans(b, bt_q(d / 2, ks * 16) + stage_offset);
+        load_b(b, bt_q(d / 2, ks * 16) + stage_offset, d);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           ptx::mma_16816<T, Cfg::kIsa>(acc_dk[mt][d], a_ds[mt], b[0], b[1]);
-          ptx::mma_16816<T, Cfg::kIsa>(acc_dk[mt][d + 1], a_ds[mt], b[2], b[3]);
+          if (d + 1 < kDkvTiles) ptx::mma_16816<T, Cfg::kIsa>(acc_dk[mt][d + 1], a_ds[mt], b[2], b[3]);
         }
       }
     }

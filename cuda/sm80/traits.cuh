@@ -61,11 +61,10 @@ struct FwdConfig {
 
 // kCompact: the tiles of GPUs with less shared memory a block than the others take (99 KB on
 // sm_86/89: 114-209 KB; 163 KB on sm_80/87: 209 KB at H = 256), at some cost in speed: 64-query
-// steps where H <= 64, and 64 keys a CTA with one stage (Q and dO of the next step load after this
-// one's dK and dV instead of during its products) from H = 128: 65, 97, 80 and 145 KB at H = 32,
-// 64, 128 and 256. H = 96 has none (its 64-key warp grid would split 96 columns into n8 tiles
-// unevenly, and 128 keys take 105 KB with one stage).
-constexpr bool has_compact_bwd(int head_dim) { return head_dim != 96; }
+// steps where H <= 64, 64 keys a CTA at H = 96 (two stages; a warp's 24 columns of dK and dV are
+// an odd 3 n8 tiles), and 64 keys with one stage (Q and dO of the next step load after this
+// one's dK and dV instead of during its products) from H = 128: 65, 97, 89, 80 and 145 KB at
+// H = 32, 64, 96, 128 and 256.
 
 // Isa::kSm75 (Turing): 4 warps, 64 keys a CTA and 32-query steps (32 and 64 at H = 128), one stage:
 // 32, 44 and 56 KB at H = 64, 96 and 128, within sm_75's 64 KB.
@@ -77,7 +76,6 @@ struct BwdConfig {
   static constexpr Isa kIsa = kIsa_;
   static constexpr bool kTuring = kIsa == Isa::kSm75;
   static_assert(kHeadDim <= 256, "dK and dV accumulators of 32 keys x H/2 (H/4 at H = 256) fp32 per warp");
-  static_assert(!kCompact || has_compact_bwd(kHeadDim), "no compact tiles at this head dim");
   static_assert(!kTuring || (std::is_same_v<T, __half> && kHeadDim >= 64 && kHeadDim <= 128 && !kCompact),
                 "the Turing family: fp16, head dims 64-128");
   static constexpr int kWarps = kTuring ? 4 : 8;
@@ -86,8 +84,8 @@ struct BwdConfig {
   static constexpr int kTuringBlockN = kHeadDim == 128 ? 32 : 64;
   static constexpr int kThreads = kWarps * 32;
   // Keys per CTA, resident with their dK and dV: 128, or 64 at H = 256, where 128 keys' dK and dV
-  // would need 256 registers a thread (and at H = 128 with compact tiles).
-  static constexpr int kBlockN = kTuring ? kTuringBlockN : kHeadDim <= 128 && !(kCompact && kHeadDim == 128) ? 128 : 64;
+  // would need 256 registers a thread (and at H = 96 and 128 with compact tiles).
+  static constexpr int kBlockN = kTuring ? kTuringBlockN : kHeadDim <= 128 && !(kCompact && kHeadDim >= 96) ? 128 : 64;
   // Queries per step: 128 where H <= 64, whose products are too short to hide the fixed cost of a
   // step (two barriers, the softmax, P and dS through shared memory) at 64 queries (64 with
   // compact tiles).
