@@ -72,7 +72,7 @@ def test_forward(monkeypatch, family, dtype, h, mask):
     assert reference.rel_error(jnp.where(finite, lse, 0), jnp.where(finite, ref_lse, 0)) < 1e-4
 
 
-@pytest.mark.parametrize("h", [320, 512])
+@pytest.mark.parametrize("h", [320, 512, 1000])
 def test_gradients_take_the_xla_backward(h):
     """Auto mode: the kernel's forward, the xla path's backward on its output and lse; strict mode
     says it has no backward kernels there."""
