@@ -92,6 +92,7 @@ fi
 if [[ $step == grid ]]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_COMPILATION_CACHE_DIR=$PWD/build/jax_cache \
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+  tests=${TESTS:-tests/test_cuda*.py}
   for setting in ${GRID:-best 99k 163k sm75}; do
     case $setting in
       best) env=() ;;
@@ -100,7 +101,6 @@ if [[ $step == grid ]]; then
       sm75) env=(JAX_FLASH_KERNELS=sm75) ;;
       *) echo "unknown grid setting $setting"; exit 1 ;;
     esac
-    tests=${TESTS:-tests/test_cuda*.py}
     env "${env[@]}" timeout -s INT -k 20 ${TEST_TIMEOUT:-3000} $PY -m pytest -v -n ${XDIST:-14} \
       -m "gpu and not timing and not large" $tests ${K:+-k "$K"} > "$OUT/grid_$setting.log" 2>&1
     env "${env[@]}" timeout -s INT -k 20 ${TEST_TIMEOUT:-3000} $PY -m pytest -v -m "gpu and large" $tests \

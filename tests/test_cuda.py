@@ -42,12 +42,26 @@ def beyond_the_cap(error: ValueError) -> bool:
     return bool(os.environ.get(_ffi.SMEM_LIMIT_ENV)) and "shared memory" in str(error)
 
 
+def gradients_within_the_cap(implementation, gradients):
+    """gradients(implementation); where implementation="cuda" refuses them under the shared-memory
+    cap (beyond_the_cap), auto mode's, gradients(None), which are checked instead."""
+    try:
+        return gradients(implementation)
+    except ValueError as e:
+        if implementation != "cuda" or not beyond_the_cap(e):
+            raise
+        return gradients(None)
+
+
 def run(implementation, q, k, v, g_out, **kw):
     """Output, lse and (dq, dk, dv) of sum(out * g_out)."""
 
-    def loss(q, k, v):
-        out = jax_flash.attention(q, k, v, implementation=implementation, **kw)
-        return jnp.sum(out.astype(jnp.float32) * g_out)
+    def gradients(implementation):
+        def loss(q, k, v):
+            out = jax_flash.attention(q, k, v, implementation=implementation, **kw)
+            return jnp.sum(out.astype(jnp.float32) * g_out)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
     fwd = jax.jit(lambda q, k, v: jax_flash.attention(
         q, k, v, implementation=implementation, return_residual=True, **kw))
@@ -62,14 +76,7 @@ def run(implementation, q, k, v, g_out, **kw):
             raise
         return run(None, q, k, v, g_out, **kw)
     poison_free_memory()
-    try:
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-    except ValueError as e:
-        # Under a shared-memory cap that no backward kernel fits, auto mode's gradients are checked.
-        if implementation != "cuda" or not beyond_the_cap(e):
-            raise
-        return out, lse, run(None, q, k, v, g_out, **kw)[2]
-    return out, lse, grads
+    return out, lse, gradients_within_the_cap(implementation, gradients)
 
 
 def families_for(dtype, h, **kw) -> tuple[str, ...]:
@@ -175,12 +182,7 @@ def test_gradients_through_the_lse(monkeypatch, family, h):
         return jax.jit(jax.grad(loss(lambda q, k, v: jax_flash.attention(
             q, k, v, is_causal=True, implementation=implementation, return_residual=True)), argnums=(0, 1, 2)))(q, k, v)
 
-    try:
-        ours = grads("cuda")
-    except ValueError as e:
-        if not beyond_the_cap(e):
-            raise
-        ours = grads(None)
+    ours = gradients_within_the_cap("cuda", grads)
     ref = jax.grad(loss(lambda q, k, v: reference.attention(q, k, v, is_causal=True)), argnums=(0, 1, 2))(q, k, v)
     for name, mine, expected in zip("qkv", ours, ref):
         assert reference.rel_error(mine, expected) < GRAD_TOL, name

@@ -11,7 +11,7 @@ import jax_flash
 from jax_flash import _ffi
 from tests import reference
 from tests.cases import qkv, rng_for
-from tests.test_cuda import GRAD_TOL, _custom_call_targets, beyond_the_cap, check, poison_free_memory
+from tests.test_cuda import GRAD_TOL, _custom_call_targets, check, gradients_within_the_cap, poison_free_memory
 from tests.test_cuda_masks import _lengths, _packed
 from tests.timing import rested_seconds
 
@@ -29,18 +29,15 @@ def _mask(rng, shape):
 
 
 def _bias_grad(implementation, q, k, v, g_out, bias, **kw):
-    def loss(bias):
-        out = jax_flash.attention(q, k, v, bias, implementation=implementation, **kw)
-        return jnp.sum(out.astype(jnp.float32) * g_out)
+    def gradient(implementation):
+        def loss(bias):
+            out = jax_flash.attention(q, k, v, bias, implementation=implementation, **kw)
+            return jnp.sum(out.astype(jnp.float32) * g_out)
 
-    poison_free_memory()
-    try:
+        poison_free_memory()
         return jax.jit(jax.grad(loss))(bias)
-    except ValueError as e:
-        # Under a shared-memory cap that no backward kernel fits, auto mode's gradient is checked.
-        if implementation != "cuda" or not beyond_the_cap(e):
-            raise
-        return _bias_grad(None, q, k, v, g_out, bias, **kw)
+
+    return gradients_within_the_cap(implementation, gradient)
 
 
 def check_with_bias(dtype, b, t, s, n, kv_heads, h, bias, **kw):
