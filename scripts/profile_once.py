@@ -31,6 +31,7 @@ parser.add_argument("--decode", type=int, nargs=2, metavar=("BATCH", "CACHE"), d
                     help="instead: one decode step, T = --queries queries of 32 heads over 8 kv heads against a "
                     "cache of CACHE tokens (the decode kernels)")
 parser.add_argument("--queries", type=int, default=1)
+parser.add_argument("--forward-only", action="store_true", help="no backward (head dims without backward kernels)")
 parser.add_argument("--peer", choices=["fa3_jax", "cudnn"], default=None,
                     help="run a peer instead: FlashAttention-3's JAX binding (plain causal or not) or, with "
                     "--decode, cuDNN through jax.nn")
@@ -84,6 +85,8 @@ def attention(q, k, v, bias):
 
 @jax.jit
 def fwd_bwd(q, k, v, bias, do):
+    if args.forward_only:
+        return attention(q, k, v, bias)
     out, vjp = jax.vjp(attention, q, k, v, bias)
     return out, vjp(do)
 

@@ -72,22 +72,12 @@ __device__ __forceinline__ void st_async_v4(uint32_t remote, float a, float b, f
       "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(__float_as_uint(c)), "r"(__float_as_uint(d)), "r"(remote_bar)
       : "memory");
 }
-// One arrival on a peer CTA's barrier (a shared::cluster address), releasing this thread's
-// earlier accesses at cluster scope.
+// One arrival on a peer CTA's barrier (a shared::cluster address). Release at CTA scope, as
+// CUTLASS's cluster barriers arrive: at cluster scope ptxas emits MEMBAR.ALL.GPU, and the matching
+// acquire.cluster wait an L1 invalidation (CCTL.IVALL), which together took a third of the pair
+// forward's stall samples (docs/perf/log.md, W8).
 __device__ __forceinline__ void mbarrier_arrive_remote(uint32_t remote_bar) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote_bar) : "memory");
-}
-// mbarrier_wait for a barrier that a peer CTA's accesses complete: acquires at cluster scope.
-__device__ __forceinline__ void mbarrier_wait_cluster(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  }
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote_bar) : "memory");
 }
 
 // --- global reductions ---

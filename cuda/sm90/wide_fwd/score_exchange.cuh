@@ -44,13 +44,13 @@ struct ScoreExchange {
 
   // s: this CTA's partial scores of key block `step` (0, 1, ...); on return, the whole scores.
   __device__ __forceinline__ void add_peer(float (&s)[kValues], int step) const {
-    if (step > 0) ptx::mbarrier_wait_cluster(empty, (step - 1) & 1);  // our last scores were read
+    if (step > 0) ptx::mbarrier_wait(empty, (step - 1) & 1);  // our last scores were read
 #pragma unroll
     for (int c = 0; c < kValues / 4; ++c) {
       ptx::st_async_v4(peer_inbox + c * kPieceStride, s[4 * c], s[4 * c + 1], s[4 * c + 2], s[4 * c + 3], peer_full);
     }
     if (announces) ptx::mbarrier_arrive_expect_tx(full, kInboxBytes);
-    ptx::mbarrier_wait_cluster(full, step & 1);
+    ptx::mbarrier_wait(full, step & 1);
 #pragma unroll
     for (int c = 0; c < kValues / 4; ++c) {
       const uint4 piece = ptx::ld_shared_v4(inbox + c * kPieceStride);
@@ -66,7 +66,7 @@ struct ScoreExchange {
   // Before the CTA exits: the peer's last arrivals on this CTA's `empty` have landed (no access to
   // a CTA's shared memory may follow its exit). `steps`: the blocks exchanged.
   __device__ __forceinline__ void drain(int steps) const {
-    if (steps > 0) ptx::mbarrier_wait_cluster(empty, (steps - 1) & 1);
+    if (steps > 0) ptx::mbarrier_wait(empty, (steps - 1) & 1);
   }
 };
 
