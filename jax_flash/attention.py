@@ -119,7 +119,7 @@ def attention(
     )  # fmt: skip
     if has_nothing_to_compute(call):
         out, lse = nothing_computed(call)
-    elif uses_cuda(call, implementation):
+    elif takes_kernels(call, implementation):
         out, lse = cuda_impl.attention(call, strict=implementation == "cuda")
     elif (out := cudnn_output(call, implementation, return_residual)) is not None:
         lse = None  # not asked for (cudnn_fallback)
@@ -141,7 +141,7 @@ def chosen_implementation(query, key, value, bias=None, mask=None, **kwargs) -> 
         call = validate(query, key, value, bias, mask, **_with_defaults(kwargs))
         if has_nothing_to_compute(call):
             reasons.append("none")
-        elif uses_cuda(call, kwargs.get("implementation")):
+        elif takes_kernels(call, kwargs.get("implementation")):
             reasons.append("cuda")
         elif cudnn_output(call, kwargs.get("implementation"), kwargs.get("return_residual", False)) is not None:
             reasons.append("cudnn")
@@ -193,6 +193,13 @@ def cudnn_output(call: Call, implementation: str | None, return_residual: bool) 
     if implementation is not None or cudnn_fallback.reason(call, return_residual) is not None:
         return None
     return cudnn_fallback.attention(call)
+
+
+def takes_kernels(call: Call, implementation: str | None) -> bool:
+    """Whether `attention` runs a validated call on the kernels: where `uses_cuda` says they can,
+    but in auto mode not where the xla path's dense formulation is faster (cuda_impl.dense_is_faster;
+    the ring's blocks ask `uses_cuda` alone, their other path being the blockwise one)."""
+    return uses_cuda(call, implementation) and (implementation == "cuda" or not cuda_impl.dense_is_faster(call))
 
 
 def uses_cuda(call: Call, implementation: str | None) -> bool:

@@ -95,6 +95,19 @@ def unsupported_reason(call: Call) -> str | None:
     return None
 
 
+def dense_is_faster(call: Call) -> bool:
+    """Auto mode's one choice by speed: whether the xla path's dense formulation outruns the
+    kernels on a call they can run. Above head dim 512 the kernels are pairs of CTAs bounded by the
+    L2 near 500 TFLOP/s, while XLA's dense products run faster where every score is computed anyway
+    (H200, 8k, bf16, non-causal forward: d = 640 323 TFLOP/s against 453, 1024 395 against 542;
+    causal the pair wins, 369 against 222; docs/perf/log.md, W8). So: a pair head dim, every score
+    visible (no causal mask, window, lengths or segment ids; a bias or mask takes the xla path
+    there anyway), and scores that fit the dense formulation's memory budget."""
+    cfg = call.config
+    every_score_visible = cfg.window_left is None and cfg.window_right is None and not dense_impl.per_batch_row(call)
+    return _widest_head_dim(call) > SM80_WIDE_FWD_HEAD_DIMS[-1] and every_score_visible and dense_impl.fits(call)
+
+
 def _turing_reason(call: Call) -> str | None:
     """Why the Turing family (on sm_75, or forced with JAX_FLASH_KERNELS=sm75) cannot run `call`, or None."""
     widest = _widest_head_dim(call)

@@ -68,7 +68,7 @@ def backward_blocks(call: Call) -> tuple[int, int]:
     return xla_impl._round_up(-(-t // blocks), 8), max(block_k, 8)
 
 
-def _per_batch_row(call: Call) -> bool:
+def per_batch_row(call: Call) -> bool:
     """Whether visibility differs between batch rows (lengths, segment ids)."""
     return any(x is not None for x in (call.query_seq_lengths, call.key_value_seq_lengths, call.q_segment_ids))
 
@@ -78,7 +78,7 @@ def _band(call: Call) -> jax.Array | None:
     through; None where none of them is given."""
     cfg = call.config
     t, s = call.query.shape[1], call.key.shape[1]
-    if _per_batch_row(call):
+    if per_batch_row(call):
         plan = xla_impl._Plan(t, s, 1, 1, None)  # one block spanning both sequences: nothing padded
         return xla_impl.band_visible(cfg, plan, xla_impl._operands(call, plan), 0, 0)[:, None]
     if cfg.window_left is None and cfg.window_right is None:
@@ -96,7 +96,7 @@ def _band(call: Call) -> jax.Array | None:
 def _every_row_sees_a_key(call: Call) -> bool:
     """Known before running: no mask, bias, lengths or segments, and S >= T, so that each query's
     diagonal key (which every band keeps) exists."""
-    no_masks = call.mask is None and call.bias is None and not _per_batch_row(call)
+    no_masks = call.mask is None and call.bias is None and not per_batch_row(call)
     return no_masks and call.key.shape[1] >= call.query.shape[1]
 
 

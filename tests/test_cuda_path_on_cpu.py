@@ -375,6 +375,28 @@ def test_head_dims_above_256_run_the_mma_sync_forward_off_hopper(kernel_calls, m
         assert reference.rel_error(mine, ref) < 2e-2
 
 
+@pytest.mark.parametrize("case,path", [
+    ("every score", "xla-dense"), ("causal", "cuda"), ("window", "cuda"), ("lengths", "cuda"), ("segments", "cuda"),
+    ("over the budget", "cuda"), ("512", "cuda"), ("implementation='cuda'", "cuda"),
+])  # fmt: skip
+def test_auto_mode_takes_the_dense_path_where_it_outruns_the_pairs(kernel_calls, monkeypatch, case, path):
+    """Above 512 (the pairs of CTAs), where every score is visible and the scores fit the dense
+    budget, XLA's dense products are faster than the kernels (cuda_impl.dense_is_faster): auto mode
+    takes the dense xla path. A band, lengths or segments, scores over the budget, head dims up to
+    512 or implementation='cuda' keep the kernels."""
+    monkeypatch.setattr(dense_impl, "budget_bytes", lambda: 0 if case == "over the budget" else 2**30)
+    h = 512 if case == "512" else 640
+    q, k, v = qkv(rng_for("cuda-path-dense-or-pairs", case), jnp.bfloat16, 1, 16, 16, 2, 2, h)
+    ids = jnp.arange(16)[None] // 8
+    kw = {"causal": {"is_causal": True}, "window": {"local_window_size": (4, 4)},
+          "lengths": {"key_value_seq_lengths": jnp.array([9])}, "segments": {"q_segment_ids": ids, "kv_segment_ids": ids},
+          "implementation='cuda'": {"implementation": "cuda"}}.get(case, {})  # fmt: skip
+    assert jax_flash.chosen_implementation(q, k, v, **kw) == path
+    out = jax_flash.attention(q, k, v, **kw)
+    assert bool(kernel_calls) == (path == "cuda")
+    assert reference.rel_error(out, jax_flash.attention(q, k, v, **{**kw, "implementation": "xla"})) < 1e-2
+
+
 @pytest.mark.parametrize("case,reason", [
     ("sm_86 at 384", "needs 103424 bytes of shared memory a block; this GPU allows 101376"),
     ("bias", "without a bias"), ("mask over queries and keys", "a mask that varies along both queries and keys"),
