@@ -103,8 +103,7 @@ def dense_is_faster(call: Call) -> bool:
     causal the pair wins, 369 against 222; docs/perf/log.md, W8). So: a pair head dim, every score
     visible (no causal mask, window, lengths or segment ids; a bias or mask takes the xla path
     there anyway), and scores that fit the dense formulation's memory budget."""
-    cfg = call.config
-    every_score_visible = cfg.window_left is None and cfg.window_right is None and not dense_impl.per_batch_row(call)
+    every_score_visible = not dense_impl.is_banded(call) and not dense_impl.per_batch_row(call)
     return _widest_head_dim(call) > SM80_WIDE_FWD_HEAD_DIMS[-1] and every_score_visible and dense_impl.fits(call)
 
 

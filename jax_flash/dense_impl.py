@@ -58,7 +58,7 @@ def backward_blocks(call: Call) -> tuple[int, int]:
     fewer rows than theirs."""
     b, t, n, _ = call.query.shape
     s = call.key.shape[1]
-    banded = call.config.window_left is not None or call.config.window_right is not None
+    banded = is_banded(call)
     block_k = min(s, BANDED_BACKWARD_BLOCK) if banded else s
     fitting_rows = budget_bytes() // (4 * b * n * max(block_k, 1))
     if fitting_rows < min(t, xla_impl.DEFAULT_BLOCK_Q):
@@ -66,6 +66,11 @@ def backward_blocks(call: Call) -> tuple[int, int]:
     rows = min(fitting_rows, BANDED_BACKWARD_BLOCK if banded else t)
     blocks = -(-t // rows)  # equal blocks of at most `rows`: T is padded by under 8 a block
     return xla_impl._round_up(-(-t // blocks), 8), max(block_k, 8)
+
+
+def is_banded(call: Call) -> bool:
+    """Whether a causal mask or window bounds the keys each query sees."""
+    return call.config.window_left is not None or call.config.window_right is not None
 
 
 def per_batch_row(call: Call) -> bool:
@@ -81,7 +86,7 @@ def _band(call: Call) -> jax.Array | None:
     if per_batch_row(call):
         plan = xla_impl._Plan(t, s, 1, 1, None)  # one block spanning both sequences: nothing padded
         return xla_impl.band_visible(cfg, plan, xla_impl._operands(call, plan), 0, 0)[:, None]
-    if cfg.window_left is None and cfg.window_right is None:
+    if not is_banded(call):
         return None
     diagonal = jnp.arange(t)[:, None] + (s - t)  # bottom-right aligned
     keys = jnp.arange(s)[None, :]

@@ -54,7 +54,8 @@ def check_with_bias(dtype, b, t, s, n, kv_heads, h, bias, **kw):
     ref = jax.grad(lambda bias: jnp.sum(reference.attention(q, k, v, bias, **kw)[0] * g_out))(bias)
     xla = _bias_grad("xla", q, k, v, g_out, bias, **kw)
     # The families that take a bias: best and sm80, or the one the grid forces (not Turing's, which
-    # takes none; a forced shared-memory cap goes with the sm80 family, which no Hopper GPU has).
+    # takes none). A grid run under a shared-memory cap forces sm80: the Hopper family under a cap
+    # is no real GPU.
     for family in (f for f in families_for(dtype, h, bias=bias, **kw) if f != "sm75"):
         with pytest.MonkeyPatch.context() as env:
             env.setenv(_ffi.KERNELS_ENV, family)
