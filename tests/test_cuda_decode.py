@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _decode
+from jax_flash import _decode, _ffi
 from tests import reference
 from tests.cases import qkv, rng_for
 from tests.test_cuda import poison_free_memory
@@ -22,6 +22,14 @@ from tests.test_paged import paged_problem
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-2  # bf16/fp16 relative error against float64
+
+
+@pytest.fixture(autouse=True)
+def decode_kernels_or_skip():
+    """The Turing family has no decode kernels: its forward runs decode shapes (tests/test_cuda.py
+    covers them in a grid run forced to it, and test_cuda_path_on_cpu.py the choice)."""
+    if _ffi.turing_kernels_run():
+        pytest.skip("the Turing kernels (on sm_75, or forced with JAX_FLASH_KERNELS=sm75) have no decode kernels")
 
 
 def _decode_call(q, k, v, lengths, **kw):

@@ -19,8 +19,12 @@ pytestmark = pytest.mark.gpu
 
 
 def hopper_or_skip(kernel: str = "the forward above head dim 256"):
+    """Skips where Hopper's kernels do not take the call: another GPU, or a run that forces another
+    kernel family (the grid run as an sm_86 or a T4: scripts/gpu_check.sh's GRID)."""
     if _ffi.device_capability() != (9, 0):
         pytest.skip(f"{kernel} runs on Hopper only")
+    if _ffi.kernel_family() != _ffi.KERNEL_FAMILIES["best"]:
+        pytest.skip(f"{kernel} runs on Hopper's kernels, and {_ffi.KERNELS_ENV} forces another family")
 
 
 MASKS = {
