@@ -26,8 +26,8 @@ TOL = 1e-2  # bf16/fp16 relative error against float64
 
 @pytest.fixture(autouse=True)
 def decode_kernels_or_skip():
-    """The Turing family has no decode kernels: its forward runs decode shapes (tests/test_cuda.py
-    covers them in a grid run forced to it, and test_cuda_path_on_cpu.py the choice)."""
+    """The Turing family has no decode kernels: its forward runs decode shapes (test_lengths of
+    tests/test_cuda.py in a grid run forced to it, and tests/test_turing_dispatch.py the choice)."""
     if _ffi.turing_kernels_run():
         pytest.skip("the Turing kernels (on sm_75, or forced with JAX_FLASH_KERNELS=sm75) have no decode kernels")
 

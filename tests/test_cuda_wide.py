@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _ffi
+from jax_flash import _ffi, cuda_impl
 from tests import reference
 from tests.cases import rng_for
 from tests.test_cuda import FWD_TOL, GRAD_TOL, poison_free_memory
@@ -19,12 +19,12 @@ pytestmark = pytest.mark.gpu
 
 
 def hopper_or_skip(kernel: str = "the forward above head dim 256"):
-    """Skips where Hopper's kernels do not take the call: another GPU, or a run that forces another
-    kernel family (the grid run as an sm_86 or a T4: scripts/gpu_check.sh's GRID)."""
-    if _ffi.device_capability() != (9, 0):
-        pytest.skip(f"{kernel} runs on Hopper only")
-    if _ffi.kernel_family() != _ffi.KERNEL_FAMILIES["best"]:
-        pytest.skip(f"{kernel} runs on Hopper's kernels, and {_ffi.KERNELS_ENV} forces another family")
+    """Skips where the dispatch's rule says Hopper's kernels do not run: another GPU, no sm_90a code,
+    or a run that forces another kernel family (the grid run as an sm_86 or a T4: GRID in
+    scripts/gpu_check.sh)."""
+    if not cuda_impl._hopper_kernels_run(_ffi.device_capability(), _ffi.built_archs()):
+        pytest.skip(f"{kernel} runs on Hopper's kernels alone (a 9.0 GPU, sm_90a code, {_ffi.KERNELS_ENV} not "
+                    "forcing another family)")
 
 
 MASKS = {
