@@ -108,6 +108,7 @@ def _window_attrs(config) -> dict:
         softcap=np.float32(config.softcap or 0.0),
         window_left=unbounded(config.window_left),
         window_right=unbounded(config.window_right),
+        diagonal_by_lengths=np.int32(config.diagonal_by_lengths),
     )
 
 

@@ -19,6 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 IMPLEMENTATIONS = (None, "xla", "cuda")
+# The largest soft cap: caps are applied in float32, where softcap * tanh(x / softcap) equals x to
+# rounding for every |x| << softcap, and a cap near float32's maximum overflows.
+MAX_SOFTCAP = 1e30
 INPUT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
@@ -26,16 +29,25 @@ INPUT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 class AttentionConfig:
     """The static settings of one call (hashable: it is a `custom_vjp` nondiff argument).
 
-    The mask band is kept as offsets from the bottom-right diagonal: key `j` is visible to query
-    `i` when `-window_left <= j - (i + offset) <= window_right`, where `offset` is the key length
-    minus the query length (per batch element when sequence lengths are given). `None` means
-    unbounded; causal attention is `window_right = 0`.
+    The mask band is kept as offsets from a diagonal: key `j` is visible to query `i` when
+    `-window_left <= j - (i + offset) <= window_right`. `None` means unbounded; causal attention
+    is `window_right = 0`. `offset` is `S - T` (bottom-right; 0 when T == S, as in `jax.nn`),
+    except that with `diagonal_by_lengths` and sequence lengths it is the key length minus the
+    query length of each batch row: the last valid query then sees the last valid key. `attention`
+    sets it where T != S (a decode step against a dense cache); paged caches always.
     """
 
     scale: float
     window_left: int | None = None
     window_right: int | None = None
     softcap: float | None = None
+    diagonal_by_lengths: bool = True
+
+    def diagonal_offsets(self, t: int, s: int, q_len, kv_len):
+        """int32 [B]: each batch row's diagonal offset, from its (clamped) query and key lengths."""
+        if self.diagonal_by_lengths:
+            return kv_len - q_len
+        return jnp.full(q_len.shape, s - t, jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +68,9 @@ class Call:
 
 
 def _as_array(x: Any, name: str) -> jax.Array:
-    if isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "__jax_array__"):
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "__jax_array__"):
         return jnp.asarray(x)
-    if isinstance(x, (list, tuple, numbers.Number)):
+    if isinstance(x, (list, tuple, numbers.Number)):  # bool too, a numbers.Number
         return jnp.asarray(x)
     raise TypeError(f"{name} must be an array, got {type(x).__name__}")
 
@@ -115,19 +127,56 @@ def _check_broadcastable(x, name: str, full_shape: tuple[int, ...]):
     return x
 
 
+_INT32 = np.iinfo(np.int32)
+
+
+def clamp_to_int32(x: jax.Array, low: int = _INT32.min, high: int = _INT32.max) -> jax.Array:
+    """An integer array as int32, values clamped into [low, high] in their own dtype first (a cast
+    alone would wrap: 2**32 + 3 would become 3)."""
+    info = jnp.iinfo(x.dtype)
+    low, high = max(low, info.min), min(high, info.max)
+    return jnp.clip(x, jnp.asarray(low, x.dtype), jnp.asarray(high, x.dtype)).astype(jnp.int32)
+
+
+def _host_integers(x):
+    """A NumPy (or Python) integer array as it is, or None: converted by jnp.asarray, a 64-bit one
+    would wrap to int32 where JAX's 64-bit mode is off, before any check could see it."""
+    if isinstance(x, (np.ndarray, np.generic, list, tuple, numbers.Integral)) and not isinstance(x, bool):
+        x = np.asarray(x)
+        return x if np.issubdtype(x.dtype, np.integer) else None
+    return None
+
+
+def as_clamped_int32(x, name: str, low: int = 0, high: int = _INT32.max) -> jax.Array:
+    """An integer array (NumPy's or JAX's) as int32, clamped into [low, high] before any cast."""
+    host = _host_integers(x)
+    if host is not None:
+        info = np.iinfo(host.dtype)
+        return jnp.asarray(np.clip(host, max(low, info.min), min(high, info.max)).astype(np.int32))
+    x = _as_array(x, name)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
+    return clamp_to_int32(x, low, high)
+
+
 def _check_lengths(x, name: str, batch: int):
+    """int32 [B]; values outside [0, int32's maximum] clamped into it (each path then clamps them
+    into the sequence)."""
     if x is None:
         return None
+    if _host_integers(x) is not None:
+        x = as_clamped_int32(x, name)
     x = _as_array(x, name)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
     if x.shape != (batch,):
         raise ValueError(f"{name} must have shape (B,) = ({batch},), got {x.shape}")
-    return x.astype(jnp.int32)
+    return clamp_to_int32(x, low=0)
 
 
 def _check_segments(x, name: str, batch: int, length: int, batched: bool):
-    x = _as_array(x, name)
+    host = _host_integers(x)
+    x = host if host is not None else _as_array(x, name)  # NumPy's ids stay NumPy's: no wrap
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
     if not batched and x.ndim == 1:
@@ -135,14 +184,40 @@ def _check_segments(x, name: str, batch: int, length: int, batched: bool):
     if x.shape != (batch, length):
         raise ValueError(f"{name} must have shape (B, {'T' if name[0] == 'q' else 'S'}) = "
                          f"({batch}, {length}), got {x.shape}")
-    return x.astype(jnp.int32)
+    return x
+
+
+def _fits_int32(dtype) -> bool:
+    info = jnp.iinfo(dtype)
+    return info.min >= _INT32.min and info.max <= _INT32.max
+
+
+def _segments_as_int32(q_seg: jax.Array, kv_seg: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Segment ids as int32. Ids of a wider type (int64, uint32, uint64) are replaced, row by row,
+    by their rank among the row's query and key ids: equal ids stay equal, order is kept (the
+    kernels' block skipping relies on sorted ids staying sorted), and nothing wraps."""
+    if _fits_int32(q_seg.dtype) and _fits_int32(kv_seg.dtype):
+        return jnp.asarray(q_seg).astype(jnp.int32), jnp.asarray(kv_seg).astype(jnp.int32)
+    if isinstance(q_seg, np.ndarray) and isinstance(kv_seg, np.ndarray):
+        ids = np.sort(np.concatenate([q_seg, kv_seg], axis=1), axis=1)
+        rank = lambda x: np.stack([np.searchsorted(r, row) for r, row in zip(ids, x)]).astype(np.int32)  # noqa: E731
+        return jnp.asarray(rank(q_seg)), jnp.asarray(rank(kv_seg))
+    q_seg, kv_seg = jnp.asarray(q_seg), jnp.asarray(kv_seg)
+    wide = jnp.promote_types(q_seg.dtype, kv_seg.dtype)
+    q_seg, kv_seg = q_seg.astype(wide), kv_seg.astype(wide)
+    ids = jnp.sort(jnp.concatenate([q_seg, kv_seg], axis=1), axis=1)
+    rank = jax.vmap(lambda row, x: jnp.searchsorted(row, x).astype(jnp.int32))
+    return rank(ids, q_seg), rank(ids, kv_seg)
 
 
 def _is_int(x) -> bool:
     return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, bool)
 
 
-def _check_window(local_window_size):
+def _check_window(local_window_size, reach: int):
+    """(left, right) or None sides; a side past `reach` (S + T: no diagonal offset a batch row can
+    have puts a key that far from a query) is clipped to it, so that the kernels' int32 band
+    arithmetic cannot overflow (2**31 - 1, a natural "unbounded", acts as unbounded)."""
     if local_window_size is None:
         return None, None
     if _is_int(local_window_size):
@@ -159,7 +234,7 @@ def _check_window(local_window_size):
     left, right = (int(w) for w in local_window_size)
     if left < 0 or right < 0:
         raise ValueError(f"local_window_size values must be >= 0, got {(left, right)}")
-    return left, right
+    return min(left, reach), min(right, reach)
 
 
 def _check_positive_float(x, name: str, allow_none: bool = True) -> float | None:
@@ -190,7 +265,10 @@ def validate(
     softcap,
     q_segment_ids,
     kv_segment_ids,
+    diagonal_by_lengths: bool | None = None,
 ) -> Call:
+    """A checked `Call`. `diagonal_by_lengths` (AttentionConfig): None for `attention`'s rule
+    (only where T != S); internal callers whose queries are always the last T tokens pass True."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be None, 'xla' or 'cuda', got {implementation!r}"
@@ -222,6 +300,7 @@ def validate(
     if q_segment_ids is not None:
         q_segment_ids = _check_segments(q_segment_ids, "q_segment_ids", b, t, batched)
         kv_segment_ids = _check_segments(kv_segment_ids, "kv_segment_ids", b, s, batched)
+        q_segment_ids, kv_segment_ids = _segments_as_int32(q_segment_ids, kv_segment_ids)
 
     if scale is None:
         scale = 1.0 / math.sqrt(h) if h else 1.0  # H = 0: an empty output, no logits to scale
@@ -229,14 +308,19 @@ def validate(
         raise TypeError(f"scale must be None or a real number, got {type(scale).__name__}")
     if not math.isfinite(float(scale)):
         raise ValueError(f"scale must be finite, got {scale}")
-    left, right = _check_window(local_window_size)
+    left, right = _check_window(local_window_size, reach=s + t)
     if is_causal:
         right = 0 if right is None else min(right, 0)
+    softcap = _check_positive_float(softcap, "softcap")
+    if softcap is not None and softcap > MAX_SOFTCAP:
+        raise ValueError(f"softcap must be at most {MAX_SOFTCAP:g} (a larger cap changes no float32 logit "
+                         f"but overflows; pass None for no cap), got {softcap:g}")  # fmt: skip
     config = AttentionConfig(
         scale=float(scale),
         window_left=left,
         window_right=right,
-        softcap=_check_positive_float(softcap, "softcap"),
+        softcap=softcap,
+        diagonal_by_lengths=t != s if diagonal_by_lengths is None else diagonal_by_lengths,
     )
     return Call(
         query=query,

@@ -79,17 +79,26 @@ def attention(
         `[B, T, N, Hv]`, and `scale` still defaults to `1 / sqrt(H)`.
       bias: optional float array added to the logits, broadcastable to `[B, N, T, S]` (each axis
         1 or full size). Differentiable.
-      mask: optional boolean array, broadcastable to `[B, N, T, S]`; `True` means attend. A
+      mask: optional boolean array (or scalar), broadcastable to `[B, N, T, S]`; `True` means
+        attend. Keys hidden only by a mask or by other documents' segment ids may share a kernel
+        tile with keys that other rows see, so a NaN in them spreads as in `jax.nn`. A
         mask along the keys alone (`[B, 1, 1, S]`, padding) or the queries alone runs in the
         kernels as segment ids: the key blocks it hides are skipped, not read.
       scale: logit scale; default `1 / sqrt(H)`.
       is_causal: causal mask. When `T != S` the diagonal is aligned bottom-right: query `i` sees
         keys `j <= i + (S - T)`, so the last query sees every key (as FlashAttention 2.1+).
       query_seq_lengths: int `[B]`; query rows at or past the length are padding (output 0).
-      key_value_seq_lengths: int `[B]`; keys at or past the length are ignored. With lengths,
-        the diagonal (causal, windows) aligns the last valid query with the last valid key.
+      key_value_seq_lengths: int `[B]`; keys at or past the length are ignored: never read into
+        an output or a gradient, so a NaN or inf there changes nothing. Lengths are clamped into
+        `[0, T]` and `[0, S]` (values beyond int32 too, before any cast). Where the lengths move
+        the causal diagonal and windows: with `T == S` they do not (query `i` is at key position
+        `i`, as in `jax.nn`: a right-padded batch); with `T != S` the last valid query aligns
+        with the last valid key, i.e. query `i` of batch row `b` sits at key position
+        `i + kv_len[b] - q_len[b]` (`q_len[b] = T` without query lengths: the queries are the
+        last `T` tokens of a cache holding `kv_len[b]`).
       local_window_size: `w` or `(left, right)`: query `i` sees keys within `left` before and
-        `right` after its diagonal position (combined with `is_causal`, `right` becomes 0).
+        `right` after its diagonal position (combined with `is_causal`, `right` becomes 0). Sides
+        beyond `S + T` are clipped to it (no key is further away): `2**31 - 1` is unbounded.
       implementation: `None` (the CUDA kernels on a CUDA GPU when they support the call; else, on
         a CUDA GPU, `jax.nn`'s cuDNN attention for calls it computes alike: plain, causal or
         windowed with T == S, no bias, mask, lengths, soft cap or segment ids; else `"xla"`),
@@ -97,7 +106,7 @@ def attention(
         any backend).
       return_residual: also return the log-sum-exp of the visible logits, `[B, T, N]` float32
         (float64 for float64 inputs).
-      softcap: optional logit soft cap (> 0), as in Gemma 2.
+      softcap: optional logit soft cap (> 0 and at most 1e30), as in Gemma 2.
       q_segment_ids: int `[B, T]`; with `kv_segment_ids` (int `[B, S]`), a query sees only keys
         of its own segment (packed documents).
 
@@ -117,6 +126,11 @@ def attention(
         implementation=implementation, return_residual=return_residual, softcap=softcap,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
     )  # fmt: skip
+    return attend(call, implementation, return_residual)
+
+
+def attend(call: Call, implementation: str | None, return_residual: bool):
+    """`attention` of a validated call (paged_attention's gathered caches come in here too)."""
     if has_nothing_to_compute(call):
         out, lse = nothing_computed(call)
     elif takes_kernels(call, implementation):

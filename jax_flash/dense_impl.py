@@ -80,22 +80,12 @@ def per_batch_row(call: Call) -> bool:
 
 def _band(call: Call) -> jax.Array | None:
     """Boolean [B or 1, 1, T, S] of what the lengths, causal mask, window and segments let
-    through; None where none of them is given."""
-    cfg = call.config
-    t, s = call.query.shape[1], call.key.shape[1]
+    through (xla_impl's rule); None where none of them is given."""
     if per_batch_row(call):
-        plan = xla_impl._Plan(t, s, 1, 1, None)  # one block spanning both sequences: nothing padded
-        return xla_impl.band_visible(cfg, plan, xla_impl._operands(call, plan), 0, 0)[:, None]
+        return xla_impl.whole_band_visible(call)[:, None]
     if not is_banded(call):
         return None
-    diagonal = jnp.arange(t)[:, None] + (s - t)  # bottom-right aligned
-    keys = jnp.arange(s)[None, :]
-    visible = jnp.ones((t, s), bool)
-    if cfg.window_left is not None:
-        visible &= keys >= diagonal - cfg.window_left
-    if cfg.window_right is not None:
-        visible &= keys <= diagonal + cfg.window_right
-    return visible
+    return xla_impl.whole_band_visible(call)[:1, None]  # the same for every batch row
 
 
 def _every_row_sees_a_key(call: Call) -> bool:
@@ -162,7 +152,8 @@ def attention(call: Call) -> tuple[jax.Array, jax.Array]:
     As jax.nn's xla path does, the query heads of each kv head are a vmapped axis over a
     computation in [B, K, T, S]: on a CPU its gradient ran 1.2-1.5x faster than the same
     products written on [B, N, T, S] or [B, K, G, T, S] (docs/perf/log.md)."""
-    q, k, v, cfg = call.query, call.key, call.value, call.config
+    q, k, v = xla_impl.within_lengths(call, *xla_impl.sequence_lengths(call))
+    cfg = call.config
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
     group = n // kv_heads

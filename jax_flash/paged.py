@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _partition, cuda_impl
-from jax_flash._validation import INPUT_DTYPES, Call, _as_array, _check_lengths, validate
-from jax_flash.attention import attention
+from jax_flash._validation import INPUT_DTYPES, Call, _as_array, _check_lengths, as_clamped_int32, validate
+from jax_flash.attention import attend
 
 
 def _check_pages(query, key_pages, value_pages, lengths, page_indices):
@@ -42,12 +42,11 @@ def _check_pages(query, key_pages, value_pages, lengths, page_indices):
     lengths = _check_lengths(lengths, "lengths", b)
     if lengths is None:
         raise TypeError("lengths must be an int array of shape (B,)")
-    page_indices = _as_array(page_indices, "page_indices")
-    if not jnp.issubdtype(page_indices.dtype, jnp.integer):
-        raise TypeError(f"page_indices must be an integer array, got dtype {page_indices.dtype}")
+    # Clamped into the pool before the cast to int32: a 64-bit index would wrap onto another page.
+    page_indices = as_clamped_int32(page_indices, "page_indices", low=0, high=pool - 1)
     if page_indices.ndim != 2 or page_indices.shape[0] != b or page_indices.shape[1] == 0:
         raise ValueError(f"page_indices must have shape (B, max_pages) = ({b}, >= 1), got {page_indices.shape}")
-    return query, key_pages, value_pages, lengths, page_indices.astype(jnp.int32)
+    return query, key_pages, value_pages, lengths, page_indices
 
 
 def _gathered_sharding(pages, page_indices):
@@ -76,16 +75,21 @@ def gather_pages(pages: jax.Array, page_indices: jax.Array) -> jax.Array:
     return tokens.reshape(b, max_pages * page_size, *pages.shape[2:])
 
 
+def _cache_call(query, keys, values, lengths, options: dict) -> Call:
+    """The validated call of `attention` on gathered caches. The queries are the last T tokens,
+    also where T equals the gathered length (diagonal_by_lengths)."""
+    return validate(query, keys, values, None, None, key_value_seq_lengths=lengths, query_seq_lengths=None,
+                    q_segment_ids=None, kv_segment_ids=None, diagonal_by_lengths=True, **options)  # fmt: skip
+
+
 def _gathered_call(query, key_pages, value_pages, lengths, page_indices, options: dict) -> Call:
-    """The validated call of `attention` on the gathered caches, traced for its shapes and settings
-    only (no gather runs)."""
+    """`_cache_call` on the gathered caches, traced for its shapes and settings only (no gather
+    runs)."""
     calls = []
 
     def trace(query, key_pages, value_pages, lengths, page_indices):
         keys, values = gather_pages(key_pages, page_indices), gather_pages(value_pages, page_indices)
-        calls.append(validate(query, keys, values, None, None, key_value_seq_lengths=lengths,
-                              query_seq_lengths=None, return_residual=False, q_segment_ids=None,
-                              kv_segment_ids=None, **options))  # fmt: skip
+        calls.append(_cache_call(query, keys, values, lengths, options))
         return query
 
     jax.eval_shape(trace, query, key_pages, value_pages, lengths, page_indices)
@@ -118,13 +122,11 @@ def paged_attention(query, key_pages, value_pages, lengths, page_indices, *, sca
     query, key_pages, value_pages, lengths, page_indices = _check_pages(
         query, key_pages, value_pages, lengths, page_indices)  # fmt: skip
     options = dict(scale=scale, is_causal=is_causal, local_window_size=local_window_size, softcap=softcap,
-                   implementation=implementation)  # fmt: skip
+                   implementation=implementation, return_residual=return_residual)  # fmt: skip
     call = _gathered_call(query, key_pages, value_pages, lengths, page_indices, options)
     if implementation != "xla" and cuda_impl.paged_reason(call, key_pages.shape[1]) is None:
         out, lse = cuda_impl.paged_attention(call.config, query, key_pages, value_pages, lengths, page_indices)
         return (out, lse) if return_residual else out
     keys, values = gather_pages(key_pages, page_indices), gather_pages(value_pages, page_indices)
-    lengths = jnp.clip(lengths, 0, keys.shape[1])
-    return attention(query, keys, values, scale=scale, is_causal=is_causal, key_value_seq_lengths=lengths,
-                     local_window_size=local_window_size, softcap=softcap, return_residual=return_residual,
-                     implementation=implementation)  # fmt: skip
+    call = _cache_call(query, keys, values, jnp.clip(lengths, 0, keys.shape[1]), options)
+    return attend(call, implementation, return_residual)

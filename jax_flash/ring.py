@@ -26,18 +26,27 @@ from jax_flash._validation import Call, validate
 from jax_flash.attention import uses_cuda
 
 
+def _check_shards(x, num_shards, axis: int) -> int:
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
+    if x.shape[axis] % (2 * num_shards):
+        raise ValueError(f"the sequence axis ({axis}, of length {x.shape[axis]}) must split into 2 * num_shards = "
+                         f"{2 * num_shards} equal chunks")  # fmt: skip
+    return num_shards
+
+
 def zigzag(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
     """Reorders `axis` (the sequence) so that contiguous sharding over `num_shards` devices gives
     device r the chunks r and 2P-1-r of 2P equal chunks: the layout causal `ring_attention`
     expects. `unzigzag` undoes it."""
-    chunks = jnp.split(x, 2 * num_shards, axis=axis)
+    chunks = jnp.split(x, 2 * _check_shards(x, num_shards, axis), axis=axis)
     order = [c for r in range(num_shards) for c in (r, 2 * num_shards - 1 - r)]
     return jnp.concatenate([chunks[c] for c in order], axis=axis)
 
 
 def unzigzag(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
     """The inverse of `zigzag`."""
-    chunks = jnp.split(x, 2 * num_shards, axis=axis)
+    chunks = jnp.split(x, 2 * _check_shards(x, num_shards, axis), axis=axis)
     order = [c for r in range(num_shards) for c in (r, 2 * num_shards - 1 - r)]
     inverse = sorted(range(2 * num_shards), key=lambda i: order[i])
     return jnp.concatenate([chunks[i] for i in inverse], axis=axis)

@@ -40,10 +40,34 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _make_plan(t: int, s: int, has_lengths: bool, block_q: int, block_k: int) -> _Plan:
+def _make_plan(t: int, s: int, offset_per_row: bool, block_q: int, block_k: int) -> _Plan:
     bq = min(block_q, _round_up(t, 8))
     bk = min(block_k, _round_up(s, 8))
-    return _Plan(bq, bk, -(-t // bq), -(-s // bk), None if has_lengths else s - t)
+    return _Plan(bq, bk, -(-t // bq), -(-s // bk), None if offset_per_row else s - t)
+
+
+def within_lengths(call: Call, q_len, kv_len) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(q, k, v) with query rows at or past q_len and keys and values at or past kv_len set to 0.
+    Those are ignored, but a NaN or inf there would still reach the output and the gradients
+    through a zero probability (0 * inf = NaN): a stale slot of a recycled cache, or a page that
+    only a padding entry of the page table names. Free where no lengths are given."""
+    q, k, v = call.query, call.key, call.value
+    if call.query_seq_lengths is not None:
+        rows = jnp.arange(q.shape[1], dtype=jnp.int32)[None, :, None, None] < q_len[:, None, None, None]
+        q = jnp.where(rows, q, jnp.zeros((), q.dtype))
+    if call.key_value_seq_lengths is not None:
+        keys = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :, None, None] < kv_len[:, None, None, None]
+        k, v = jnp.where(keys, k, jnp.zeros((), k.dtype)), jnp.where(keys, v, jnp.zeros((), v.dtype))
+    return q, k, v
+
+
+def sequence_lengths(call: Call) -> tuple[jax.Array, jax.Array]:
+    """int32 [B] query and key lengths, clamped into the sequences (T and S where not given)."""
+    b, t, s = call.query.shape[0], call.query.shape[1], call.key.shape[1]
+    full = lambda x: jnp.full((b,), x, jnp.int32)  # noqa: E731
+    q_len = full(t) if call.query_seq_lengths is None else jnp.clip(call.query_seq_lengths, 0, t)
+    kv_len = full(s) if call.key_value_seq_lengths is None else jnp.clip(call.key_value_seq_lengths, 0, s)
+    return q_len, kv_len
 
 
 class _Operands(NamedTuple):
@@ -56,7 +80,7 @@ class _Operands(NamedTuple):
     mask: jax.Array | None  # bool, like bias
     q_len: jax.Array  # int32 [B]
     kv_len: jax.Array  # int32 [B]
-    offset: jax.Array  # int32 [B]: diagonal offset, kv length - q length
+    offset: jax.Array  # int32 [B]: diagonal offset (AttentionConfig.diagonal_offsets)
     q_seg: jax.Array | None  # int32 [B, Tp]
     kv_seg: jax.Array | None  # int32 [B, Sp]
 
@@ -96,17 +120,13 @@ def _tile(x, q_start, bq: int, k_start, bk: int):
 
 
 def _operands(call: Call, plan: _Plan) -> _Operands:
-    q, k, v = call.query, call.key, call.value
-    b, t, n, h = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
+    b, t, n, h = call.query.shape
+    s, kv_heads = call.key.shape[1], call.key.shape[2]
+    q_len, kv_len = sequence_lengths(call)
+    q, k, v = within_lengths(call, q_len, kv_len)
     tp, sp = plan.num_q_blocks * plan.block_q, plan.num_k_blocks * plan.block_k
     q = _pad_axis(q, 1, tp).reshape(b, tp, kv_heads, n // kv_heads, h)
     k, v = _pad_axis(k, 1, sp), _pad_axis(v, 1, sp)
-    full = lambda x: jnp.full((b,), x, jnp.int32)  # noqa: E731
-    q_len = full(t) if call.query_seq_lengths is None else jnp.minimum(call.query_seq_lengths, t)
-    kv_len = (
-        full(s) if call.key_value_seq_lengths is None else jnp.minimum(call.key_value_seq_lengths, s)
-    )
     q_seg = kv_seg = None
     if call.q_segment_ids is not None:
         q_seg = _pad_axis(call.q_segment_ids, 1, tp, -1)
@@ -115,7 +135,7 @@ def _operands(call: Call, plan: _Plan) -> _Operands:
         q, k, v,
         _grouped_bnts(call.bias, n, kv_heads, tp, sp),
         _grouped_bnts(call.mask, n, kv_heads, tp, sp),
-        q_len, kv_len, kv_len - q_len, q_seg, kv_seg,
+        q_len, kv_len, call.config.diagonal_offsets(t, s, q_len, kv_len), q_seg, kv_seg,
     )  # fmt: skip
 
 
@@ -151,6 +171,16 @@ def band_visible(cfg: AttentionConfig, plan: _Plan, ops: _Operands, iq, jk):
         kv_seg = lax.dynamic_slice_in_dim(ops.kv_seg, jk * plan.block_k, plan.block_k, axis=1)
         vis &= q_seg[:, :, None] == kv_seg[:, None, :]
     return vis
+
+
+def whole_band_visible(call: Call) -> jax.Array:
+    """Boolean [B, T, S]: band_visible with one block spanning both sequences (nothing padded)."""
+    t, s = call.query.shape[1], call.key.shape[1]
+    plan = _Plan(t, s, 1, 1, None)
+    q_len, kv_len = sequence_lengths(call)
+    ops = _Operands(None, None, None, None, None, q_len, kv_len, call.config.diagonal_offsets(t, s, q_len, kv_len),
+                    call.q_segment_ids, call.kv_segment_ids)  # fmt: skip
+    return band_visible(call.config, plan, ops, 0, 0)
 
 
 def _visible(cfg: AttentionConfig, plan: _Plan, ops: _Operands, iq, jk):
@@ -352,8 +382,13 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def _static(call: Call, block_q: int, block_k: int) -> _Static:
     t, s = call.query.shape[1], call.key.shape[1]
+    return _Static(call.config, _make_plan(t, s, offset_per_row(call), block_q, block_k), t, s)
+
+
+def offset_per_row(call: Call) -> bool:
+    """Whether the diagonal offset differs between batch rows (by their lengths)."""
     has_lengths = call.query_seq_lengths is not None or call.key_value_seq_lengths is not None
-    return _Static(call.config, _make_plan(t, s, has_lengths, block_q, block_k), t, s)
+    return has_lengths and call.config.diagonal_by_lengths
 
 
 def attention(

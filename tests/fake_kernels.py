@@ -17,7 +17,7 @@ from jax_flash._validation import AttentionConfig, Call
 def _call(attrs: dict, q, k, v, seqlens, q_segments, kv_segments, bias, mask) -> Call:
     bound = lambda w: None if int(w) < 0 else int(w)  # noqa: E731
     config = AttentionConfig(float(attrs["scale"]), bound(attrs["window_left"]), bound(attrs["window_right"]),
-                             float(attrs["softcap"]) or None)  # fmt: skip
+                             float(attrs["softcap"]) or None, bool(attrs["diagonal_by_lengths"]))  # fmt: skip
     lengths = (seqlens[:, 0], seqlens[:, 1]) if seqlens.shape[1] else (None, None)
     segments = (q_segments, kv_segments) if q_segments.shape[1] else (None, None)
     present = lambda x: x if x.size else None  # noqa: E731

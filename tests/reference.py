@@ -10,13 +10,17 @@ import numpy as np
 
 
 def visibility(b, n, t, s, *, is_causal=False, local_window_size=None, query_seq_lengths=None,
-               key_value_seq_lengths=None, q_segment_ids=None, kv_segment_ids=None, mask=None):
-    """Boolean [B, N, T, S]: which query sees which key."""
+               key_value_seq_lengths=None, q_segment_ids=None, kv_segment_ids=None, mask=None,
+               diagonal_by_lengths=None):
+    """Boolean [B, N, T, S]: which query sees which key. The diagonal: query i at key position
+    i + S - T; with lengths and `diagonal_by_lengths` (default: T != S) at i + kv_len - q_len."""
     q_len = jnp.full((b,), t) if query_seq_lengths is None else jnp.asarray(query_seq_lengths)
     kv_len = jnp.full((b,), s) if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths)
     i = jnp.arange(t)[None, :, None]
     j = jnp.arange(s)[None, None, :]
-    diagonal = i + (kv_len - q_len)[:, None, None]  # bottom-right aligned
+    by_lengths = t != s if diagonal_by_lengths is None else diagonal_by_lengths
+    offset = (kv_len - q_len) if by_lengths else jnp.full((b,), s - t)
+    diagonal = i + offset[:, None, None]
     vis = (i < q_len[:, None, None]) & (j < kv_len[:, None, None])
     if is_causal:
         vis &= j <= diagonal

@@ -13,7 +13,8 @@ struct Range {
 };
 
 // The mask of one batch row. Key j is visible to query i when i < seqlen_q, j < seqlen_k,
-//   -left <= j - (i + offset) <= right   (offset = seqlen_k - seqlen_q; -1 = unbounded side),
+//   -left <= j - (i + offset) <= right   (-1 = unbounded side; offset: the tensors' S - T, or this
+// row's seqlen_k - seqlen_q with FwdParams::diagonal_by_lengths, the one place that rule is read),
 // and, with segment ids, q_seg[i] == kv_seg[j]. Segments also bound the blocks a kernel visits:
 // MaskChunk ranges (params.h) computed on the host side say which keys a 64-row chunk of queries
 // can see and the reverse, so that blocks of other documents are skipped, not just masked.
@@ -46,7 +47,7 @@ struct Band {
     const bool segments = p.q_segments != nullptr;
     const int q_chunks = (p.seqlen_q + kMaskChunk - 1) / kMaskChunk;
     const int kv_chunks = (p.seqlen_k + kMaskChunk - 1) / kMaskChunk;
-    return {seqlen_k - seqlen_q,
+    return {p.diagonal_by_lengths ? seqlen_k - seqlen_q : p.seqlen_k - p.seqlen_q,
             seqlen_q,
             seqlen_k,
             p.window_left,

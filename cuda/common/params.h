@@ -43,9 +43,13 @@ struct FwdParams {
   float scale;          // logit scale (applied before the soft cap)
   float softcap;        // > 0 exactly in the kSoftcap variant
   int window_left;      // -1: unbounded. Key j is visible to query i when
-  int window_right;     //   -window_left <= j - (i + seqlen_k - seqlen_q) <= window_right
+  int window_right;     //   -window_left <= j - (i + offset) <= window_right (mask.cuh's Band)
+  // The diagonal's offset: seqlen_k - seqlen_q, or with seqlens and this flag each batch row's key
+  // length minus its query length (the last valid query sees the last valid key). Python decides
+  // (AttentionConfig.diagonal_by_lengths): jax.nn's alignment where T == S, lengths elsewhere.
+  bool diagonal_by_lengths;
   // Optional masks (nullptr: none; mask.cuh says how they combine):
-  const int* seqlens;          // [B, 2]: valid query and key lengths of each batch row
+  const int* seqlens;          // [B, 2]: valid query and key lengths of each batch row (clamped)
   const int* q_segments;       // [B, T] segment ids, with kv_segments [B, S]
   const int* kv_segments;
   const MaskChunk* q_chunks;   // [B, ceil(T / kMaskChunk)], with the segment ids

@@ -66,7 +66,8 @@ ffi::Error fill_shapes(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, DTy
   return ffi::Error::Success();
 }
 
-ffi::Error fill_attributes(float scale, float softcap, int32_t window_left, int32_t window_right, FwdParams* p) {
+ffi::Error fill_attributes(float scale, float softcap, int32_t window_left, int32_t window_right,
+                           int32_t diagonal_by_lengths, FwdParams* p) {
   if (!(scale > 0.f) || !(softcap >= 0.f)) {
     return ffi::Error::InvalidArgument("jax_flash: scale must be > 0 and softcap >= 0 (0: none), got " +
                                        std::to_string(scale) + ", " + std::to_string(softcap));
@@ -75,6 +76,7 @@ ffi::Error fill_attributes(float scale, float softcap, int32_t window_left, int3
   p->softcap = softcap;
   p->window_left = window_left;
   p->window_right = window_right;
+  p->diagonal_by_lengths = diagonal_by_lengths != 0;
   return ffi::Error::Success();
 }
 
@@ -185,11 +187,11 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::Buffer<ffi::S32> kv_chunks, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
                     ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                     ffi::Result<ffi::Buffer<ffi::S32>> tile_scratch, float scale, float softcap,
-                    int32_t window_left, int32_t window_right, int32_t kernels) {
+                    int32_t window_left, int32_t window_right, int32_t diagonal_by_lengths, int32_t kernels) {
   FwdParams p{};
   DType dtype;
   if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p, -1, /*value_dim_may_differ=*/true); e.failure()) return e;
-  if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, &p); e.failure()) return e;
+  if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, diagonal_by_lengths, &p); e.failure()) return e;
   if (p.value_dim != p.head_dim ? !fwd_sm90_unequal_supports_head_dims(p.head_dim, p.value_dim)
                                 : !fwd_supports_head_dim(p.head_dim) && !fwd_sm90_wide_supports_head_dim(p.head_dim)) {
     return ffi::Error::InvalidArgument("jax_flash: no forward kernel for head dims " + std::to_string(p.head_dim) +
@@ -220,12 +222,13 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::Result<ffi::Buffer<ffi::F32>> delta, ffi::Result<ffi::Buffer<ffi::F32>> lse_log2,
                     ffi::Result<ffi::Buffer<ffi::S32>> dq_turns, ffi::Result<ffi::Buffer<ffi::F32>> dbias,
                     float scale, float softcap,
-                    int32_t window_left, int32_t window_right, int32_t kernels, int32_t deterministic,
+                    int32_t window_left, int32_t window_right, int32_t diagonal_by_lengths, int32_t kernels,
+                    int32_t deterministic,
                     int32_t smem_limit) {
   BwdParams p{};
   DType dtype;
   if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p, -1, /*value_dim_may_differ=*/true); e.failure()) return e;
-  if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, &p); e.failure()) return e;
+  if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, diagonal_by_lengths, &p); e.failure()) return e;
   const bool equal_dims_ok = bwd_supports_head_dim(p.head_dim) || bwd_sm90_no_bias_supports_head_dim(p.head_dim);
   if (p.value_dim != p.head_dim ? !bwd_sm90_unequal_supports_head_dims(p.head_dim, p.value_dim) : !equal_dims_ok) {
     return ffi::Error::InvalidArgument("jax_flash: no backward kernel for head dims " + std::to_string(p.head_dim) +
@@ -293,7 +296,8 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> page_table,
                        ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                        ffi::Result<ffi::Buffer<ffi::F32>> o_partial, ffi::Result<ffi::Buffer<ffi::F32>> lse_partial,
-                       float scale, float softcap, int32_t window_left, int32_t window_right, int32_t splits) {
+                       float scale, float softcap, int32_t window_left, int32_t window_right,
+                       int32_t diagonal_by_lengths, int32_t splits) {
   DecodeParams p{};
   DType dtype;
   const bool paged = page_table.element_count() > 0;
@@ -315,7 +319,7 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   } else if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p); e.failure()) {
     return e;
   }
-  if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, &p); e.failure()) return e;
+  if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, diagonal_by_lengths, &p); e.failure()) return e;
   if (!contract::decode_supports_head_dim(p.head_dim)) {
     return ffi::Error::InvalidArgument("jax_flash: no decode kernel for head dim " + std::to_string(p.head_dim));
   }
@@ -368,6 +372,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_fwd_handler, jax_flash::fwd_impl,
                                   .Attr<float>("softcap")  // 0: none
                                   .Attr<int32_t>("window_left")
                                   .Attr<int32_t>("window_right")
+                                  .Attr<int32_t>("diagonal_by_lengths")  // 1: FwdParams::diagonal_by_lengths
                                   .Attr<int32_t>("kernels"),  // KernelFamily
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -400,6 +405,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl,
                                   .Attr<float>("softcap")  // 0: none
                                   .Attr<int32_t>("window_left")
                                   .Attr<int32_t>("window_right")
+                                  .Attr<int32_t>("diagonal_by_lengths")  // 1: FwdParams::diagonal_by_lengths
                                   .Attr<int32_t>("kernels")  // KernelFamily
                                   .Attr<int32_t>("deterministic")  // 1: dQ parts added in a fixed order
                                   .Attr<int32_t>("smem_limit"),  // bytes a block may take (0: the GPU's)
@@ -421,6 +427,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_decode_handler, jax_flash::decode_impl,
                                   .Attr<float>("softcap")  // 0: none
                                   .Attr<int32_t>("window_left")
                                   .Attr<int32_t>("window_right")
+                                  .Attr<int32_t>("diagonal_by_lengths")  // 1: FwdParams::diagonal_by_lengths
                                   .Attr<int32_t>("splits"),
                               {ffi::Traits::kCmdBufferCompatible});
 

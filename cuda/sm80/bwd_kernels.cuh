@@ -67,10 +67,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   const int batch = batch_head_index() / p.kv_heads, kv_head = batch_head_index() % p.kv_heads;
   const int group = p.heads / p.kv_heads;
   const int k_first = n_block * kBlockN;
-  const int keys_valid = min(kBlockN, p.seqlen_k - k_first);
+  const int keys_valid = min(kBlockN, p.seqlen_k - k_first);  // dK and dV rows stored
   // With the row test even without lengths: rows past T see nothing either way, and so ptxas
   // allocates this kernel without spills (it spilled 16 bytes at d = 128 without).
   const Band band = Band::from<kMasked>(p, batch).masking_rows();
+  // K and V past this row's key length are zero-filled, not read: they are ignored, and a NaN
+  // there would reach dQ and dS through a zero probability.
+  const int keys_loaded = min(kBlockN, band.seqlen_k - k_first);
   using LogitsT = Logits<cap_of(kVariant)>;
   const LogitsT logits = LogitsT::from(p);
   const float scale_log2 = logits.unit * kLog2e;
@@ -89,9 +92,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   };
 
   load_tile<KTile, Cfg::kThreads, false, false, Cfg::kIsa>(sK, static_cast<const T*>(p.k) + kv_offset, kv_row_stride,
-                                               keys_valid, tid);
+                                               keys_loaded, tid);
   load_tile<KTile, Cfg::kThreads, false, false, Cfg::kIsa>(sV, static_cast<const T*>(p.v) + kv_offset, kv_row_stride,
-                                               keys_valid, tid);
+                                               keys_loaded, tid);
   BwdStep cur = BwdStep::first(walk, kv_head * group), next = cur;
   next.advance(walk);
   if (steps > 0) prefetch(cur, 0);

@@ -62,6 +62,7 @@
 #include "sm90/bwd_bias_tiles.cuh"
 #include "sm90/bwd_stages.cuh"
 #include "sm90/dq_tiles.cuh"
+#include "sm90/ignored_rows.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -77,6 +78,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
   constexpr int kStages = Cfg::kStages;
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers;
+  // Named barriers: 1 + consumer and 3 (epilogue.cuh), 4 (dQ's dS reads), and this one.
+  constexpr int kIgnoredRowsBarrier = 5;
   constexpr float kLog2e = 1.4426950408889634f;
   using Steps = BwdSteps<Cfg, kVariant, kBiasGrad, kBiasCapped>;  // what a step does, in which order
   constexpr bool kMasked = Steps::kMasked, kBias = Steps::kBias;
@@ -157,6 +160,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kSRegs = kBlockM / 2;  // S^T, dP^T: 64 keys x kBlockM queries
 
   if (walk.steps > 0) ptx::mbarrier_wait(barriers.kv_full(), 0);
+  if constexpr (kMasked) {  // K and V past this row's key length zeroed (sm90/ignored_rows.cuh)
+    const int first_ignored = first_ignored_row<kBlockN>(band.seqlen_k, p.seqlen_k, k_first);
+    if (walk.steps > 0 && first_ignored < kBlockN) {
+      zero_rows_from<Cfg::kPanels, kBlockN, kConsumerThreads>(sm.k(), first_ignored, threadIdx.x - 128);
+      zero_rows_from<Cfg::kValuePanels, kBlockN, kConsumerThreads>(sm.v(), first_ignored, threadIdx.x - 128);
+      ptx::named_barrier_sync(kIgnoredRowsBarrier, kConsumerThreads);
+    }
+  }
   BwdStep step = BwdStep::first(walk, kv_head * group);
   for (int s = 0; s < walk.steps; ++s, step.advance(walk)) {
     const int stage = s % kStages;

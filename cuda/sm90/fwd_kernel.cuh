@@ -120,6 +120,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   int staged_stage = -1, staged_tiles = 0;
   auto release_staging = [&] { release_staged_o<Cfg>(shared, staged_stage, tid); };
   constexpr int kStoreBarrier = ConsumerTurns<Cfg::kConsumers>::kEnd;  // + consumer: its O staged
+  constexpr int kClearBarrier = kStoreBarrier + Cfg::kConsumers;       // + consumer: V rows cleared
   for (int n = 0, it = 0;; ++n) {
     ptx::mbarrier_wait(shared.q_full(), n & 1);
     const int tile = Work::load_tile(shared.template tile_slot_ptr<Work>(n));
@@ -148,6 +149,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const FwdBlockLogits<Cfg, kVariant, Work> block_logits{p, w, logits, shared, smem, it, consumer, warp, lane};
     // Each block's logits capped and masked, then exponentiated (fwd/block_softmax.cuh).
     const FwdBlockSoftmax<Softmax, decltype(block_logits)> block_softmax{softmax, block_logits};
+    // Before P V_j: V_j's rows past this row's key length zeroed where the tensor goes on
+    // (key_ring.cuh); only with lengths, in the one block that holds the length.
+    auto clear_ignored_v = [&](int j) {
+      if constexpr (kVariant != Variant::kPlain) {
+        const int first_ignored = first_ignored_row<kBlockN>(w.band.seqlen_k, p.seqlen_k, w.key_first(j));
+        if (first_ignored < kBlockN) ring.clear_v_rows(j, first_ignored, kClearBarrier + consumer_uniform, tid);
+      }
+    };
     auto fence_o = [&] {
 #pragma unroll
       for (int c = 0; c < Cfg::kOChunks; ++c) ptx::fence_registers(o[c]);
@@ -173,6 +182,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       block_softmax.exact(s, 0, rescale);
       to_operand<T>(s, pa);
       for (int j = 1; j < blocks; ++j) {
+        clear_ignored_v(j - 1);
         turns.wait();
         ring.issue_s(s, j);
         block_logits.prefetch_bias(j);
@@ -193,6 +203,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         rescale_o(o, rescale);
         to_operand<T>(s, pa);
       }
+      clear_ignored_v(blocks - 1);
       turns.wait();
       ring.issue_pv(o, pa, blocks - 1);
       turns.pass();

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash.flax._attend import attend
+from jax_flash.flax._attend import attend, head_shape
 
 
 class MultiHeadAttention(nn.Module):
@@ -29,8 +29,7 @@ class MultiHeadAttention(nn.Module):
     @nn.compact
     def __call__(self, x, *, positions=None, segment_ids=None):
         features = x.shape[-1]
-        head_dim = self.head_dim or features // self.num_heads
-        kv_heads = self.num_kv_heads or self.num_heads
+        kv_heads, head_dim = head_shape(features, self.num_heads, self.num_kv_heads, self.head_dim)
         dense = lambda heads, name: nn.DenseGeneral(  # noqa: E731
             (heads, head_dim), use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
             name=name)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jax_flash
-from jax_flash.flax._attend import attend
+from jax_flash.flax._attend import attend, head_shape
 
 
 class MultiHeadAttention(nnx.Module):
@@ -26,8 +26,7 @@ class MultiHeadAttention(nnx.Module):
                  dtype=None, param_dtype=jnp.float32, attention: Callable = jax_flash.attention,
                  rngs: nnx.Rngs):  # fmt: skip
         self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads or num_heads
-        self.head_dim = head_dim or in_features // num_heads
+        self.num_kv_heads, self.head_dim = head_shape(in_features, num_heads, num_kv_heads, head_dim)
         self.is_causal, self.local_window_size, self.softcap = is_causal, local_window_size, softcap
         self.rope, self.rope_base, self.attention = rope, rope_base, attention
         dense = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype,  # noqa: E731

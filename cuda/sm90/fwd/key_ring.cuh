@@ -11,6 +11,7 @@
 #include "sm90/fwd/products.cuh"
 #include "sm90/fwd/shared_memory.cuh"
 #include "sm90/head_dim_product.cuh"
+#include "sm90/ignored_rows.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -52,6 +53,15 @@ struct FwdKeyRing {
                                            const uint32_t (&pa)[kBlockN / 16][4], int j) const {
     const int stage = stage_of(j);
     sm90::issue_pv<Cfg>(o, pa, shared.v(stage), shared.v_full(stage), phase_of(j));
+  }
+  // V_j's rows from `first_ignored` on set to 0 once V_j has landed, before P V_j reads them
+  // (sm90/ignored_rows.cuh). Each consumer writes the same zeros, so it syncs its own warp group
+  // alone (`barrier`, 128 threads).
+  __device__ __forceinline__ void clear_v_rows(int j, int first_ignored, int barrier, int tid) const {
+    const int stage = stage_of(j);
+    ptx::mbarrier_wait(shared.v_full(stage), phase_of(j));
+    zero_rows_from<Cfg::kVPanels, kBlockN, 128>(shared.v(stage), first_ignored, tid);
+    ptx::named_barrier_sync(barrier, 128);
   }
   // P V_j has landed: V_j's stage is free.
   __device__ __forceinline__ void release_v(int j) const { ptx::mbarrier_arrive(shared.v_empty(stage_of(j))); }
