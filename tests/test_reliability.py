@@ -289,9 +289,12 @@ def _close_to_float64(out, q, k, v, rtol, **kw):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("t, s, h", [(256, 256, 64), (200, 200, 128), (1, 4096, 128), (4, 1000, 64), (300, 1000, 128)])
+@pytest.mark.parametrize("t, s, h", [(256, 256, 64), (200, 200, 128), (1, 4096, 128), (4, 1000, 64), (300, 1000, 128),
+                                     (200, 330, 256), (130, 700, 320)])  # fmt: skip
 @pytest.mark.parametrize("poison", [jnp.nan, jnp.inf])
 def test_kernels_keep_poisoned_slots_out(family, monkeypatch, t, s, h, poison):
+    if family == "sm75" and h > 128:
+        pytest.skip("the Turing family takes head dims 64-128")
     dtype, run = _kernel_call(family, monkeypatch)
     q, k, v = _qkv(2, t, s, n=4, k=2, h=h, seed=t + s, dtype=dtype)
     lengths = jnp.asarray([s // 3 + 1, s - 5], jnp.int32)
@@ -300,7 +303,7 @@ def test_kernels_keep_poisoned_slots_out(family, monkeypatch, t, s, h, poison):
     out = run(q, pk, pv, **kw)
     assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
     _close_to_float64(out, q, k, v, 2e-2, diagonal_by_lengths=t != s, **kw)
-    if t > 16:  # the training kernels' gradients (decode shapes are forward calls)
+    if 16 < t and h <= 256:  # the backward kernels' gradients (decode shapes are forward calls)
         grads = jax.grad(lambda q, k, v: run(q, k, v, **kw).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, pk, pv)
         clean = jax.grad(lambda q, k, v: run(q, k, v, **kw).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
         for x, ref in zip(grads, clean):

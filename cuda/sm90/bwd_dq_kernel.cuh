@@ -38,6 +38,7 @@
 #include "sm90/bwd_stages.cuh"
 #include "sm90/head_dim_product.cuh"
 #include "sm90/row_mask.cuh"
+#include "sm90/ignored_rows.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -84,6 +85,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr bool kCapped = kSoftcap || kBiasCapped;
   static_assert(kBias || !kBiasCapped, "kBiasCapped needs a bias");
   constexpr int kExchangeBarrier = 1;
+  constexpr int kIgnoredRowsBarrier = 2;  // + consumer: its stage's ignored rows zeroed
 
   extern __shared__ char smem[];
   const uint32_t align = (1024 - (ptx::smem_addr(smem) & 1023)) & 1023;
@@ -157,6 +159,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const uint64_t v_desc = ptx::smem_desc_sw128(sm.v(stage) + consumer_uniform * kHalfN * 128, 0);
     float s[kHalfN / 2], dp[kHalfN / 2];
     ptx::mbarrier_wait(sm.k_full(stage), phase);
+    if constexpr (kMasked) {  // K and V past this row's key length zeroed (sm90/ignored_rows.cuh)
+      const int first_ignored = first_ignored_row<kBlockN>(band.seqlen_k, p.seqlen_k, key_block_first(j));
+      if (first_ignored < kBlockN) {
+        ptx::mbarrier_wait(sm.v_full(stage), phase);
+        zero_rows_from<Cfg::kPanels, kBlockN, 128>(sm.k(stage), first_ignored, tid);
+        zero_rows_from<Cfg::kValuePanels, kBlockN, 128>(sm.v(stage), first_ignored, tid);
+        ptx::named_barrier_sync(kIgnoredRowsBarrier + consumer_uniform, 128);
+      }
+    }
     ptx::wgmma_fence();
     wgmma_over_head_dim<T, kHeadDim, kBlockM, kBlockN>(s, q_desc, k_desc);
     ptx::wgmma_commit();

@@ -41,6 +41,7 @@
 #include "sm90/bwd/wide_shared_memory.cuh"
 #include "sm90/row_mask.cuh"
 #include "sm90/bwd_stages.cuh"
+#include "sm90/ignored_rows.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -97,7 +98,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr bool kMasked = kVariant != Variant::kPlain, kSoftcap = kVariant == Variant::kSoftcap;
   constexpr bool kBias = kVariant == Variant::kEverything;
   static_assert(kBias || (!kBiasGrad && !kBiasCapped), "dbias and kBiasCapped need a bias");
-  enum : int { kTilesReady = 1, kEpilogue = 2 };  // named barriers (+ consumer)
+  enum : int { kTilesReady = 1, kEpilogue = 2, kIgnoredRows = 5 };  // named barriers (kEpilogue + consumer)
 
   extern __shared__ char smem[];
   const auto sm = WideSharedMemory<Cfg>::of(smem);  // bwd/wide_shared_memory.cuh
@@ -175,6 +176,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     float s_acc[16], dp_acc[16];
     if (walk.steps > 0) {
       ptx::mbarrier_wait(barriers.kv_full(), 0);
+      if constexpr (kMasked) {  // K and V past this row's key length zeroed (sm90/ignored_rows.cuh)
+        const int first_ignored = first_ignored_row<kBlockN>(band.seqlen_k, p.seqlen_k, k_first);
+        if (first_ignored < kBlockN) {
+          zero_rows_from<Cfg::kPanels, kBlockN, kConsumerThreads>(sm.k(), first_ignored, threadIdx.x - 128);
+          zero_rows_from<Cfg::kValuePanels, kBlockN, kConsumerThreads>(sm.v(), first_ignored, threadIdx.x - 128);
+          ptx::named_barrier_sync(kIgnoredRows, kConsumerThreads);
+        }
+      }
       issue_scores(s_acc, dp_acc, 0);
       ptx::wgmma_wait<0>();
       ptx::fence_registers(s_acc);

@@ -28,6 +28,7 @@
 #include "common/split_rows.cuh"
 #include "sm90/fwd/softmax_rows.cuh"
 #include "sm90/head_dim_product.cuh"
+#include "sm90/ignored_rows.cuh"
 #include "sm90/wide_fwd/config.cuh"
 
 namespace jax_flash::sm90 {
@@ -45,6 +46,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHalfKeys = Cfg::kKeysPerConsumer;
   constexpr float kLog2e = 1.4426950408889634f;
   enum : int { kMaxima = 1, kPReady = 2, kSums = 3 };  // named barriers of the two consumers
+  constexpr int kIgnoredRows = 4;                        // + consumer: its V rows zeroed
   auto barrier = [&](int b) { return base + Cfg::kBarriers + 8 * b; };
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const AccumulatorLayout accum{lane};
@@ -125,6 +127,13 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
     // 4. O[:, its panels] += P V[:, its panels]: P K-major (16 keys a step, 32 bytes of its rows),
     // V MN-major (16 keys a step, 2048 bytes of a panel).
     ptx::mbarrier_wait(barrier(Cfg::kVFull), phase);
+    if constexpr (kVariant != Variant::kPlain) {  // V past this row's key length zeroed (ignored_rows.cuh)
+      const int first_ignored = first_ignored_row<kBlockN>(band.seqlen_k, p.seqlen_k, (n_first + j) * kBlockN);
+      if (first_ignored < kBlockN) {
+        zero_rows_from<Cfg::kPanels, kBlockN, 128>(base + Cfg::kV, first_ignored, tid);
+        ptx::named_barrier_sync(kIgnoredRows + consumer, 128);
+      }
+    }
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
