@@ -131,17 +131,34 @@ def attention(
 
 def attend(call: Call, implementation: str | None, return_residual: bool):
     """`attention` of a validated call (paged_attention's gathered caches come in here too)."""
-    if has_nothing_to_compute(call):
+    path, out = route(call, implementation, return_residual)
+    if path == "none":
         out, lse = nothing_computed(call)
-    elif takes_kernels(call, implementation):
+    elif path == "cuda":
         out, lse = cuda_impl.attention(call, strict=implementation == "cuda")
-    elif (out := cudnn_output(call, implementation, return_residual)) is not None:
+    elif path == "cudnn":
         lse = None  # not asked for (cudnn_fallback)
     else:
         out, lse = xla_path(call)
     if not call.batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residual else out
+
+
+def route(call: Call, implementation: str | None, return_residual: bool) -> tuple[str, jax.Array | None]:
+    """The path of a validated call, "none", "cuda", "cudnn" (with cuDNN's output) or "xla", in
+    the order auto mode tries them. On data-centre Blackwell (10.x) cuDNN comes first for the calls
+    it computes alike: our kernels run there as mma.sync code JIT-compiled from PTX, a fraction of
+    what those tensor cores give cuDNN (cuda_impl.cudnn_first)."""
+    if has_nothing_to_compute(call):
+        return "none", None
+    if implementation is None and cuda_impl.cudnn_first() and (out := cudnn_output(call, None, return_residual)) is not None:
+        return "cudnn", out
+    if takes_kernels(call, implementation):
+        return "cuda", None
+    if (out := cudnn_output(call, implementation, return_residual)) is not None:
+        return "cudnn", out
+    return "xla", None
 
 
 def chosen_implementation(query, key, value, bias=None, mask=None, **kwargs) -> str:
@@ -153,14 +170,10 @@ def chosen_implementation(query, key, value, bias=None, mask=None, **kwargs) -> 
 
     def trace(query, key, value, bias, mask):
         call = validate(query, key, value, bias, mask, **_with_defaults(kwargs))
-        if has_nothing_to_compute(call):
-            reasons.append("none")
-        elif takes_kernels(call, kwargs.get("implementation")):
-            reasons.append("cuda")
-        elif cudnn_output(call, kwargs.get("implementation"), kwargs.get("return_residual", False)) is not None:
-            reasons.append("cudnn")
-        else:
-            reasons.append("xla-dense" if dense_impl.fits(call) else "xla-blockwise")
+        path, _ = route(call, kwargs.get("implementation"), kwargs.get("return_residual", False))
+        if path == "xla":
+            path = "xla-dense" if dense_impl.fits(call) else "xla-blockwise"
+        reasons.append(path)
         return query
 
     jax.eval_shape(trace, query, key, value, bias, mask)

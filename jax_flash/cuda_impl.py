@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -57,25 +58,84 @@ def kernel_head_dim(head_dim: int, kernel_dims: tuple[int, ...] = FWD_HEAD_DIMS)
     return next((d for d in kernel_dims if d >= head_dim), None)
 
 
-def unsupported_reason(call: Call) -> str | None:
-    """Why the CUDA kernels cannot run `call`, or None when they can."""
+REINSTALL = ("reinstall jax_flash where a CUDA compiler can be had (a CUDA toolkit, or PyPI's, which "
+             "`pip install \"jax[cuda13]\"` brings): `pip install --force-reinstall --no-deps jax_flash`, or "
+             "`pip install -e .` in a checkout; `python -m jax_flash.info` says what is installed")
+
+
+def install_reason() -> str | None:
+    """Why no kernel of this install runs on the default device, or None where they can."""
     if _ffi.extension() is None:
-        return "jax_flash was installed without its CUDA extension (no nvcc at build time)"
+        return "jax_flash was installed without its CUDA extension (no CUDA compiler at build time)"
     if not _ffi.cuda_device_available():
         return "the default JAX backend is not a CUDA GPU"
     major, minor = _ffi.device_capability()
     if (major, minor) < MIN_KERNEL_CAPABILITY:
         return f"the kernels need compute capability 7.5 or newer (Turing and later); this GPU is {major}.{minor}"
-    archs = _ffi.built_archs()
-    turing = _ffi.turing_kernels_run()
-    if turing:
-        archs = tuple(a for a in archs if a in _ffi.TURING_FAMILY_ARCHS)  # (CMakeLists.txt)
+    archs = _family_archs()
     if not _ffi.has_machine_code((major, minor), archs):
-        kernels = "its Turing kernels have" if turing else "it has"
+        kernels = "its Turing kernels have" if _ffi.turing_kernels_run() else "it has"
         listed = f"sm_{', sm_'.join(archs)}" if archs else "no target"
         return (f"as installed, jax_flash's kernels cannot run here: {kernels} machine code for {listed}, none of "
                 f"which runs on this GPU ({major}.{minor}); reinstall with JAX_FLASH_CUDA_ARCHS=native or a list "
                 "with it")
+    return None
+
+
+def _family_archs() -> tuple[str, ...]:
+    """The built targets that the kernel family in use was compiled for (CMakeLists.txt)."""
+    archs = _ffi.built_archs()
+    return tuple(a for a in archs if a in _ffi.TURING_FAMILY_ARCHS) if _ffi.turing_kernels_run() else archs
+
+
+@functools.cache
+def warn_if_kernels_missing() -> None:
+    """Once a process, on a CUDA GPU of a generation we have kernels for where this install has
+    none that run: say why, and how to get them (otherwise every call quietly takes cuDNN or the
+    xla path)."""
+    if not _ffi.cuda_device_available() or _ffi.device_capability() < MIN_KERNEL_CAPABILITY:
+        return
+    reason = install_reason()
+    if reason is not None:
+        warnings.warn(f"jax_flash: {reason}, so calls take cuDNN or the xla path; {REINSTALL}", RuntimeWarning,
+                      stacklevel=4)  # fmt: skip
+
+
+def family_name(capability: tuple[int, int]) -> str:
+    """Which of this install's kernel families a GPU of `capability` runs (python -m jax_flash.info)."""
+    archs = _ffi.built_archs()
+    if _ffi.extension() is None:
+        return "none: installed without the CUDA extension"
+    if capability < MIN_KERNEL_CAPABILITY:
+        return "none: the kernels need compute capability 7.5 or newer"
+    family = _ffi.kernel_family()
+    if family == _ffi.KERNEL_FAMILIES["sm75"] or (family == _ffi.KERNEL_FAMILIES["best"] and capability[0] == 7):
+        archs = tuple(a for a in archs if a in _ffi.TURING_FAMILY_ARCHS)
+        name = "Turing (mma.sync m16n8k8, fp16)"
+    elif _hopper_kernels_run(capability, archs):
+        name = "Hopper (wgmma + TMA), with the mma.sync family for the rest"
+    else:
+        name = "mma.sync (sm_80 and later)"
+    if not _ffi.has_machine_code(capability, archs):
+        return f"none: no machine code or PTX of this install ({', '.join(archs)}) runs on {capability[0]}.{capability[1]}"
+    jit = not any(_ffi.has_machine_code(capability, (a,)) for a in archs if not a.endswith("-virtual"))
+    return name + (" JIT-compiled from PTX" if jit else "") + ("; auto mode tries cuDNN first" if capability[0] == 10 else "")
+
+
+def cudnn_first() -> bool:
+    """Whether auto mode tries cuDNN before the kernels: on 10.x GPUs (data-centre Blackwell), where
+    our kernels would be mma.sync code JIT-compiled from PTX (12.x runs mma.sync natively)."""
+    return _ffi.cuda_device_available() and _ffi.device_capability()[0] == 10
+
+
+def unsupported_reason(call: Call) -> str | None:
+    """Why the CUDA kernels cannot run `call`, or None when they can."""
+    warn_if_kernels_missing()
+    if (reason := install_reason()) is not None:
+        return reason
+    major, minor = _ffi.device_capability()
+    archs = _family_archs()
+    turing = _ffi.turing_kernels_run()
     if call.query.dtype not in KERNEL_DTYPES:
         return f"the kernels take float16 or bfloat16, got {call.query.dtype}"
     if turing and (reason := _turing_reason(call)):

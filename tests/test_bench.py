@@ -138,3 +138,20 @@ def test_unequal_and_long_head_dims_with_fixed_heads(capsys):
     assert "| 48/32 | 64 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["--head-dims", "48:x"])
+
+
+def test_tokamax_columns_only_where_it_imports(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "tokamax", None)  # an import of it fails
+    assert not any(name.startswith("tokamax") for name in timing.peers(on_gpu=True))
+    calls = []
+    stand_in = types.SimpleNamespace(dot_product_attention=lambda q, k, v, **kw: calls.append(kw) or q)
+    monkeypatch.setitem(sys.modules, "tokamax", stand_in)
+    found = timing.peers(on_gpu=True)
+    assert {"tokamax_mosaic", "tokamax_triton"} <= set(found) and "cudnn" in found
+    q = jnp.ones((1, 8, 2, 16))
+    assert found["tokamax_triton"](q, q, q, True, (4, 0)) is q
+    assert calls == [dict(is_causal=True, local_window_size=(4, 0), implementation="triton")]
+    assert timing.peers(on_gpu=False) == {}

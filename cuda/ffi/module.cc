@@ -4,8 +4,13 @@
 // `sm80_backward_smem_bytes(head_dim)` the shared memory of a block of the mma.sync backward,
 // `sm80_forward_smem_bytes(head_dim)` and `sm80_wide_forward_smem_bytes(head_dim)` those of the
 // mma.sync forward up to 256 and above; `sm75_forward_smem_bytes` and `sm75_backward_smem_bytes`
-// the Turing family's.
+// the Turing family's; `ffi_api_version` the XLA FFI API of the headers it was built against
+// ("0.1" for jaxlib 0.6.2's: newer jaxlibs accept it, older ones refuse newer versions).
 #include <nanobind/nanobind.h>
+
+#include <string>
+
+#include "xla/ffi/api/c_api.h"
 
 #include "ffi/handlers.h"
 #include "launch/dispatch.h"
@@ -21,6 +26,7 @@ NB_MODULE(_cuda, m) {
     return targets;
   });
   m.attr("built_archs") = JAX_FLASH_BUILT_ARCHS;
+  m.attr("ffi_api_version") = std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
   m.def("sm80_backward_smem_bytes", &jax_flash::sm80_backward_smem_bytes);
   m.def("sm80_forward_smem_bytes", &jax_flash::sm80_forward_smem_bytes);
   m.def("sm80_wide_forward_smem_bytes", &jax_flash::sm80_wide_forward_smem_bytes);

@@ -38,7 +38,7 @@ class Shape:
 
 def peers(on_gpu: bool) -> dict[str, Callable]:
     """name -> attention(q, k, v, is_causal, local_window_size=None) of each peer that runs here:
-    on a GPU cuDNN and, when it imports, FlashAttention-3's JAX binding."""
+    on a GPU cuDNN and, when they import, FlashAttention-3's JAX binding and tokamax."""
     if not on_gpu:
         return {}
     found = {"cudnn": lambda q, k, v, is_causal, local_window_size=None: jax.nn.dot_product_attention(
@@ -50,7 +50,26 @@ def peers(on_gpu: bool) -> dict[str, Callable]:
             q, k, v, is_causal=is_causal, window_size=local_window_size or (-1, -1))
     except ImportError:
         pass
+    found.update(tokamax_peers())
     return found
+
+
+TOKAMAX_IMPLEMENTATIONS = ("mosaic", "triton")
+
+
+def tokamax_peers() -> dict[str, Callable]:
+    """tokamax's dot_product_attention (Google's Pallas kernels; jax.nn's signature), one column per
+    implementation, when it imports: an optional peer, never a dependency."""
+    try:
+        import tokamax
+    except ImportError:
+        return {}
+
+    def peer(implementation: str) -> Callable:
+        return lambda q, k, v, is_causal, local_window_size=None: tokamax.dot_product_attention(
+            q, k, v, is_causal=is_causal, local_window_size=local_window_size, implementation=implementation)
+
+    return {f"tokamax_{name}": peer(name) for name in TOKAMAX_IMPLEMENTATIONS}
 
 
 # Even: ours and the reference are each timed first in half of the rounds. Which of the two went
