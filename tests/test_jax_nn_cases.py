@@ -118,3 +118,20 @@ def test_bias_gradient(implementation, batch, use_vmap):
     grads = lambda f: jax.jit(lambda x, bias: jax.vjp(lambda x, b: f(x, b, mask), x, bias)[1](x))  # noqa: E731
     # Unlike cuDNN (batch 1 only), every path gives the bias gradient at any batch.
     _close(grads(ans)(x, bias), grads(ref)(x, bias), 0.1)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_the_dense_path_compiles_to_jax_nns_program(is_causal):
+    """The quickstart's call (GQA 4/2, float32): the same fusions of the same shapes as jax.nn's
+    xla attention, so their times differ only by the machine's noise."""
+    import re
+
+    q, k = jnp.ones((2, 512, 4, 64), jnp.float32), jnp.ones((2, 512, 2, 64), jnp.float32)
+
+    def fusions(fn):
+        text = jax.jit(fn).lower(q, k, k).compile().as_text()
+        return sorted(re.findall(r"= (\S+) fusion\(.*kind=(\w+)", text))
+
+    ours = fusions(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=is_causal, implementation="xla"))
+    theirs = fusions(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation="xla"))
+    assert ours == theirs and ours
