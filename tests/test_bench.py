@@ -100,10 +100,10 @@ def test_decode_benchmark(tmp_path, capsys):
     rows = cli.main(["--decode", "--plot", str(png)])
     assert {r["impl"] for r in rows} == {"jax_flash", "paged 64", "paged 16", "xla"}
     assert all(r["seconds"] > 0 and r["bytes_per_second"] > 0 for r in rows)
-    assert {(r["batch"], r["cache"], r["queries"]) for r in rows} == {(1, 512, 1), (1, 512, 4), (4, 2048, 1),
-                                                                     (4, 2048, 4)}  # fmt: skip
+    assert {(r["batch"], r["cache"], r["queries"]) for r in rows} == {(1, 256, 1), (1, 256, 4), (2, 1024, 1),
+                                                                     (2, 1024, 4)}  # fmt: skip
     out = capsys.readouterr().out
-    assert "| 4 | 2048 | 4 |" in out and "xla / jax_flash" in out and png.stat().st_size > 10_000
+    assert "| 2 | 1024 | 4 |" in out and "xla / jax_flash" in out and png.stat().st_size > 10_000
 
 
 def test_decode_dispatch_spans():
