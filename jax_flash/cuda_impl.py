@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import sys
 import warnings
 
 import jax
@@ -98,7 +100,17 @@ def warn_if_kernels_missing() -> None:
     reason = install_reason()
     if reason is not None:
         warnings.warn(f"jax_flash: {reason}, so calls take cuDNN or the xla path; {REINSTALL}", RuntimeWarning,
-                      stacklevel=4)  # fmt: skip
+                      stacklevel=_caller_stacklevel())  # fmt: skip
+
+
+def _caller_stacklevel() -> int:
+    """The stack level of the first frame outside jax_flash and JAX (the user's call, also from
+    inside a jitted function), for warnings.warn called from here."""
+    internal = tuple(os.path.dirname(m.__file__) for m in (jax, sys.modules[__name__.split(".")[0]]))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def family_name(capability: tuple[int, int]) -> str:

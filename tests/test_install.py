@@ -74,3 +74,12 @@ def test_auto_mode_tries_cudnn_first_on_data_centre_blackwell(monkeypatch, capab
     # What cuDNN does not compute alike stays with the kernels there too.
     assert jax_flash.chosen_implementation(Q, K, K, softcap=30.0) == "cuda"
     assert jax_flash.chosen_implementation(Q, K, K, implementation="cuda") == "cuda"
+
+
+def test_the_warning_points_at_the_users_call(monkeypatch):
+    _gpu_without_kernels(monkeypatch)
+    q = jnp.ones((1, 16, 2, 32), jnp.bfloat16)
+    with pytest.warns(RuntimeWarning) as caught:
+        jax.jit(lambda q: jax_flash.attention(q, q, q))(q)
+    assert caught[0].filename == __file__
+    cuda_impl.warn_if_kernels_missing.cache_clear()
