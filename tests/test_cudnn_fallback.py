@@ -45,7 +45,8 @@ def _inputs(t=64, s=64, n=4, kv_heads=2, h=64, dtype=jnp.bfloat16, seed=0):
     ((7, 0), _ffi.DEFAULT_BUILT_ARCHS, "cudnn"), ((7, 5), _ffi.DEFAULT_BUILT_ARCHS, "cudnn"),  # bf16 on Turing
     ((8, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"),
     ((8, 9), _ffi.DEFAULT_BUILT_ARCHS, "cuda"), ((9, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"),
-    ((10, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"), ((12, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"),  # from the PTX
+    ((10, 0), _ffi.DEFAULT_BUILT_ARCHS, "cudnn"),  # cuDNN first on 10.x, where ours would be PTX
+    ((12, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"),  # from the PTX
     ((10, 0), ("80", "90a"), "cudnn"), ((12, 0), ("80", "90a"), "cudnn"),  # an install without it
 ])  # fmt: skip
 def test_each_capability_takes_the_kernels_or_cudnn(monkeypatch, cudnn_calls, capability, archs, path):
@@ -54,12 +55,16 @@ def test_each_capability_takes_the_kernels_or_cudnn(monkeypatch, cudnn_calls, ca
     q, k, v = _inputs()
     assert jax_flash.chosen_implementation(q, k, v, is_causal=True) == path
     assert bool(cudnn_calls) == (path == "cudnn")
-    if path == "cudnn":  # implementation="cuda" still refuses, naming the GPU
+    # On 10.x with PTX built the kernels run (implementation="cuda"); auto mode just asks cuDNN first.
+    kernels_run = capability[0] == 10 and "80-virtual" in archs
+    if path == "cudnn" and not kernels_run:  # implementation="cuda" still refuses, naming the GPU
         named = f"{capability[0]}\\.{capability[1]}"
         # Too old for the kernels, Turing's take no bf16, or an install without code for the GPU.
         message = {(7, 0): f"this GPU is {named}", (7, 5): "float16 only"}.get(capability, f"this GPU \\({named}\\)")
         with pytest.raises(ValueError, match=message):
             jax_flash.attention(q, k, v, implementation="cuda")
+    elif kernels_run:
+        assert jax_flash.chosen_implementation(q, k, v, is_causal=True, implementation="cuda") == "cuda"
 
 
 @pytest.mark.parametrize("kwargs,expected", [
