@@ -160,18 +160,14 @@ def as_clamped_int32(x, name: str, low: int = 0, high: int = _INT32.max) -> jax.
 
 
 def _check_lengths(x, name: str, batch: int):
-    """int32 [B]; values outside [0, int32's maximum] clamped into it (each path then clamps them
-    into the sequence)."""
+    """int32 [B]; values outside [0, int32's maximum] clamped into it before any cast (each path
+    then clamps them into the sequence)."""
     if x is None:
         return None
-    if _host_integers(x) is not None:
-        x = as_clamped_int32(x, name)
-    x = _as_array(x, name)
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
+    x = as_clamped_int32(x, name)
     if x.shape != (batch,):
         raise ValueError(f"{name} must have shape (B,) = ({batch},), got {x.shape}")
-    return clamp_to_int32(x, low=0)
+    return x
 
 
 def _check_segments(x, name: str, batch: int, length: int, batched: bool):
