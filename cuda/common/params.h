@@ -44,10 +44,6 @@ struct FwdParams {
   float softcap;        // > 0 exactly in the kSoftcap variant
   int window_left;      // -1: unbounded. Key j is visible to query i when
   int window_right;     //   -window_left <= j - (i + offset) <= window_right (mask.cuh's Band)
-  // The diagonal's offset: seqlen_k - seqlen_q, or with seqlens and this flag each batch row's key
-  // length minus its query length (the last valid query sees the last valid key). Python decides
-  // (AttentionConfig.diagonal_by_lengths): jax.nn's alignment where T == S, lengths elsewhere.
-  bool diagonal_by_lengths;
   // Optional masks (nullptr: none; mask.cuh says how they combine):
   const int* seqlens;          // [B, 2]: valid query and key lengths of each batch row (clamped)
   const int* q_segments;       // [B, T] segment ids, with kv_segments [B, S]
@@ -65,6 +61,11 @@ struct FwdParams {
   int* tile_scratch;
   int64_t tile_scratch_size;  // elements
   int value_dim;  // V's and O's head dim: head_dim, except in the unequal-dims forward
+  // The diagonal's offset: seqlen_k - seqlen_q, or with seqlens and this flag each batch row's key
+  // length minus its query length (the last valid query sees the last valid key). Python decides
+  // (AttentionConfig.diagonal_by_lengths): jax.nn's alignment where T == S, lengths elsewhere.
+  // Last, in the struct's tail padding: the kernels that never read it keep their layout.
+  bool diagonal_by_lengths;
 };
 
 // The layout of the sm90 forward's int32 scratch, for a kernel of `tiles` tiles: the persistent

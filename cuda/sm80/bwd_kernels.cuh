@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   const Band band = Band::from<kMasked>(p, batch).masking_rows();
   // K and V past this row's key length are zero-filled, not read: they are ignored, and a NaN
   // there would reach dQ and dS through a zero probability.
-  const int keys_loaded = min(kBlockN, band.seqlen_k - k_first);
+  const int keys_loaded = kMasked ? min(kBlockN, band.seqlen_k - k_first) : keys_valid;
   using LogitsT = Logits<cap_of(kVariant)>;
   const LogitsT logits = LogitsT::from(p);
   const float scale_log2 = logits.unit * kLog2e;

@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
       const int k_first = (n_end - 1 - j) * kBlockN;
       load_tile<KTile, Cfg::kThreads, Cfg::kUnrollLoads, true, Cfg::kIsa>(
           sK0 + (j % 2) * Cfg::kStageBytes + extra, g + int64_t(k_first) * kv_row_stride, kv_row_stride,
-          band.seqlen_k - k_first, tid);  // zero past the length: ignored keys
+          (kMasked ? band.seqlen_k : p.seqlen_k) - k_first, tid);  // zero past the length: ignored keys
     };
     auto load_k = [&](int j) { load_block(gK, j, 0); };
     auto load_v = [&](int j) { load_block(gV, j, KTile::kBytes); };

@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) wide_fwd_kernel(const FwdPar
   auto load_block = [&](uint32_t tile, const T* g, int j) {
     const int k_first = (n_first + j) * kBlockN;
     load_tile<KTile, Cfg::kThreads, false>(tile, g + int64_t(k_first) * kv_row_stride, kv_row_stride,
-                                                 band.seqlen_k - k_first, tid);  // zero past the length: ignored keys
+                                                 (kMasked ? band.seqlen_k : p.seqlen_k) - k_first, tid);  // zero past the length: ignored keys
     ptx::cp_async_commit();
   };
 
