@@ -92,7 +92,7 @@ def test_unequal_lengths_keep_the_last_query_on_the_last_key(run):
     _close(out, ref, run.tol)
 
 
-def test_a_paged_cache_as_long_as_its_queries_keeps_them_last(monkeypatch):
+def test_a_paged_cache_as_long_as_its_queries_keeps_them_last():
     """paged_attention's queries are the last T tokens also where T equals the gathered length."""
     q, pages, _ = _qkv(2, 8, 4 * 4, k=2)
     pages = pages.reshape(4 * 2, 4, 2, 8)
@@ -282,9 +282,15 @@ def _kernel_call(family, monkeypatch):
     return dtype, lambda *a, **kw: jax_flash.attention(*a, implementation="cuda", **kw)
 
 
+def _finite_and_close(x, ref, tol):
+    """A kernel's result: every element finite, within `tol` of the reference (relative norm)."""
+    x = x.astype(jnp.float32)
+    assert np.isfinite(np.asarray(x)).all()
+    assert reference.rel_error(x, ref) < tol
+
+
 def _close_to_float64(out, q, k, v, rtol, **kw):
-    ref, _ = reference.attention(q, k, v, **kw)
-    assert reference.rel_error(out.astype(jnp.float32), ref) < rtol
+    _finite_and_close(out, reference.attention(q, k, v, **kw)[0], rtol)
 
 
 @pytest.mark.gpu
@@ -300,15 +306,12 @@ def test_kernels_keep_poisoned_slots_out(family, monkeypatch, t, s, h, poison):
     lengths = jnp.asarray([s // 3 + 1, s - 5], jnp.int32)
     kw = dict(is_causal=True, key_value_seq_lengths=lengths)
     pk, pv = _poisoned(k, lengths, poison), _poisoned(v, lengths, poison)
-    out = run(q, pk, pv, **kw)
-    assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
-    _close_to_float64(out, q, k, v, 2e-2, diagonal_by_lengths=t != s, **kw)
+    _close_to_float64(run(q, pk, pv, **kw), q, k, v, 2e-2, diagonal_by_lengths=t != s, **kw)
     if 16 < t and h <= 256:  # the backward kernels' gradients (decode shapes are forward calls)
         grads = jax.grad(lambda q, k, v: run(q, k, v, **kw).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, pk, pv)
         clean = jax.grad(lambda q, k, v: run(q, k, v, **kw).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
         for x, ref in zip(grads, clean):
-            assert np.isfinite(np.asarray(x.astype(jnp.float32))).all()
-            assert reference.rel_error(x.astype(jnp.float32), ref.astype(jnp.float32)) < 1e-2
+            _finite_and_close(x, ref, 1e-2)
 
 
 @pytest.mark.gpu
@@ -326,8 +329,7 @@ def test_kernels_keep_unowned_pages_out(family, monkeypatch, page_size):
     poisoned = pages_v.at[0].set(jnp.nan).at[1].set(jnp.nan).at[6:].set(jnp.nan).at[5, 3:].set(jnp.inf)
     out = jax_flash.paged_attention(q, pages_k, poisoned, lengths, table, is_causal=True)
     clean = jax_flash.paged_attention(q, pages_k, pages_v, lengths, table, is_causal=True, implementation="xla")
-    assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
-    assert reference.rel_error(out.astype(jnp.float32), clean.astype(jnp.float32)) < 2e-2
+    _finite_and_close(out, clean, 2e-2)
 
 
 @pytest.mark.gpu
@@ -339,8 +341,7 @@ def test_kernels_align_equal_lengths_as_jax_nn(family, monkeypatch, t):
     lengths = jnp.asarray([t // 2 + 1, t], jnp.int32)
     out = run(q, k, v, is_causal=True, key_value_seq_lengths=lengths)
     _close_to_float64(out, q, k, v, 2e-2, is_causal=True, key_value_seq_lengths=lengths)
-    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths)
-    assert reference.rel_error(out.astype(jnp.float32), ref.astype(jnp.float32)) < 2e-2
+    _finite_and_close(out, jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths), 2e-2)
 
 
 def test_the_docs_validate_helper_keeps_attentions_rule():
