@@ -26,7 +26,10 @@ NB_MODULE(_cuda, m) {
     return targets;
   });
   m.attr("built_archs") = JAX_FLASH_BUILT_ARCHS;
-  m.attr("ffi_api_version") = std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
+  // nb::str, not std::string: without nanobind/stl/string.h a std::string attribute throws
+  // std::bad_cast when the module is imported.
+  m.attr("ffi_api_version") =
+      nb::str((std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR)).c_str());
   m.def("sm80_backward_smem_bytes", &jax_flash::sm80_backward_smem_bytes);
   m.def("sm80_forward_smem_bytes", &jax_flash::sm80_forward_smem_bytes);
   m.def("sm80_wide_forward_smem_bytes", &jax_flash::sm80_wide_forward_smem_bytes);
