@@ -1,5 +1,7 @@
 """The benchmark runs end to end (on a CPU it compares the xla paths) and writes its plot."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -155,3 +157,13 @@ def test_tokamax_columns_only_where_it_imports(monkeypatch):
     assert found["tokamax_triton"](q, q, q, True, (4, 0)) is q
     assert calls == [dict(is_causal=True, local_window_size=(4, 0), implementation="triton")]
     assert timing.peers(on_gpu=False) == {}
+
+
+@pytest.mark.parametrize("kind, peak", [("NVIDIA H200", 4.8e12), ("NVIDIA H100 80GB HBM3", 3.35e12),
+                                        ("NVIDIA H100 PCIe", 2.0e12), ("cpu", 3.35e12)])  # fmt: skip
+def test_the_decode_fraction_is_of_this_devices_hbm_peak(monkeypatch, kind, peak):
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(device_kind=kind)])
+    name, rate = decode.hbm_peak()
+    assert rate == peak and (("not known" in name) == (kind == "cpu"))
+    row = {"batch": 1, "cache": 1024, "queries": 1, "impl": "jax_flash", "seconds": 1e-3, "bytes_per_second": peak / 2}
+    assert "(50%)" in decode.table([row, {**row, "impl": "xla"}])

@@ -37,7 +37,7 @@ def main(argv=None) -> list[dict]:
         print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {decode.HEADS} / "
               f"{decode.KV_HEADS} heads, d = {decode.HEAD_DIM}, cold L2, time per call "
               f"({'GPU time from the profiler' if jax.default_backend() == 'gpu' else 'wall clock'}), "
-              "HBM fraction of 3.35 TB/s")
+              f"HBM fraction of the peak ({decode.hbm_peak()[0]})")
         print(decode.table(rows))
         if args.plot:
             decode.plot(rows, args.plot)
