@@ -29,7 +29,7 @@ def extension():
         return None
 
 
-DEFAULT_BUILT_ARCHS = ("75", "80", "90a", "80-virtual")  # CMakeLists.txt's default list
+PORTABLE_BUILT_ARCHS = ("75", "80", "90a", "80-virtual")  # CMakeLists.txt's JAX_FLASH_PORTABLE_ARCHS
 # A module from before it named its targets was built for the default list of then.
 UNNAMED_BUILT_ARCHS = ("80", "90a")
 
@@ -118,9 +118,20 @@ def _window_attrs(config) -> dict:
 # also compiles for Hopper to test them there).
 KERNELS_ENV = "JAX_FLASH_KERNELS"
 KERNEL_FAMILIES = {"best": 0, "sm80": 80, "sm75": 75}
-# The targets the Turing family is compiled for, of those built (CMakeLists.txt): its own, and
-# Hopper's for its tests.
-TURING_FAMILY_ARCHS = ("75", "90a")
+# The Turing family's targets in a module from before it named each family's: its own and Hopper's.
+UNNAMED_TURING_ARCHS = ("75", "90a")
+
+
+def family_archs() -> dict[str, tuple[str, ...]]:
+    """The targets each kernel family was compiled for (CMakeLists.txt): "hopper", "turing",
+    "mma_sync" and "mma_sync_off_hopper" (the mma.sync kernels a Hopper GPU runs only where a test
+    forces that family, whose sm_90a code a test build alone has)."""
+    listed = getattr(extension(), "family_archs", None)
+    if isinstance(listed, str) and listed:
+        return {name: tuple(archs.split(",")) for name, archs in (entry.split("=") for entry in listed.split())}
+    built = built_archs()
+    turing = tuple(a for a in built if a in UNNAMED_TURING_ARCHS)
+    return {"hopper": built, "turing": turing, "mma_sync": built, "mma_sync_off_hopper": built}
 
 
 def kernel_family() -> int:

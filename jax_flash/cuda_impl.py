@@ -85,9 +85,13 @@ def install_reason() -> str | None:
 
 
 def _family_archs() -> tuple[str, ...]:
-    """The built targets that the kernel family in use was compiled for (CMakeLists.txt)."""
-    archs = _ffi.built_archs()
-    return tuple(a for a in archs if a in _ffi.TURING_FAMILY_ARCHS) if _ffi.turing_kernels_run() else archs
+    """The built targets that the kernel family in use was compiled for (CMakeLists.txt): forced to
+    the mma.sync family, those of its files that Hopper GPUs otherwise leave to their own kernels."""
+    if _ffi.turing_kernels_run():
+        return _ffi.family_archs()["turing"]
+    if _ffi.kernel_family() == _ffi.KERNEL_FAMILIES["sm80"]:
+        return _ffi.family_archs()["mma_sync_off_hopper"]
+    return _ffi.built_archs()
 
 
 @functools.cache
@@ -122,11 +126,13 @@ def family_name(capability: tuple[int, int]) -> str:
         return "none: the kernels need compute capability 7.5 or newer"
     family = _ffi.kernel_family()
     if family == _ffi.KERNEL_FAMILIES["sm75"] or (family == _ffi.KERNEL_FAMILIES["best"] and capability[0] == 7):
-        archs = tuple(a for a in archs if a in _ffi.TURING_FAMILY_ARCHS)
+        archs = _ffi.family_archs()["turing"]
         name = "Turing (mma.sync m16n8k8, fp16)"
     elif _hopper_kernels_run(capability, archs):
         name = "Hopper (wgmma + TMA), with the mma.sync family for the rest"
     else:
+        if family == _ffi.KERNEL_FAMILIES["sm80"]:
+            archs = _ffi.family_archs()["mma_sync_off_hopper"]
         name = "mma.sync (sm_80 and later)"
     if not _ffi.has_machine_code(capability, archs):
         return f"none: no machine code or PTX of this install ({', '.join(archs)}) runs on {capability[0]}.{capability[1]}"

@@ -58,8 +58,9 @@ if [[ $step == build || $step == all ]] && compgen -G ".whl-h100/jax_flash-*.whl
   echo "build: the carried wheel's module, $(ls jax_flash/_cuda*)"
 elif [[ $step == build || $step == all ]]; then
   start=$(date +%s)
-  # Only sm_90a here: the sm80 kernels compiled for it are the code the H100 runs anyway.
-  JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_ARCHS=${JAX_FLASH_CUDA_ARCHS:-90a} JAX_FLASH_PTXAS_VERBOSE=1 \
+  # Only sm_90a here: the sm80 kernels compiled for it are the code the H100 runs anyway; the
+  # test families so that the grid can force the mma.sync and Turing families.
+  JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_ARCHS=${JAX_FLASH_CUDA_ARCHS:-90a} JAX_FLASH_TEST_FAMILIES=ON JAX_FLASH_PTXAS_VERBOSE=1 \
     $PY -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 \
     || { tail -50 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
   grep -E "Compiling entry|registers|spill|C75[0-9][0-9]" "$OUT/build.log" | sed 's/^ *//' > "$OUT/ptxas.txt"

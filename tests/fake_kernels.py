@@ -59,15 +59,23 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
     return (dq.astype(result_types[0].dtype), dk, dv, *scratch, _dbias_result(dbias, result_types[7]))
 
 
+# What a portable build with the test families (JAX_FLASH_TEST_FAMILIES=ON, as the GPU tests run)
+# reports of each family's targets (CMakeLists.txt).
+TEST_BUILD_FAMILY_ARCHS = {"hopper": ("90a",), "turing": ("75", "90a"), "mma_sync": ("80", "90a", "80-virtual"),
+                           "mma_sync_off_hopper": ("80", "90a", "80-virtual")}  # fmt: skip
+
+
 def install(monkeypatch):
     """Make `implementation="cuda"` run on CPU through `call_kernel`."""
     # What the dispatch asks of the module: shared memory of the mma.sync backward and of its
     # forward above 256 (0: they fit every GPU; tests of the limit put their own sizes here), and
-    # the targets built (the default).
+    # the targets built (the portable list, with the test families).
     module = types.SimpleNamespace(sm80_backward_smem_bytes=lambda head_dim: 0,
                                    sm80_wide_forward_smem_bytes=lambda head_dim: 0,
                                    sm75_backward_smem_bytes=lambda head_dim: 0,
-                                   built_archs=",".join(_ffi.DEFAULT_BUILT_ARCHS))
+                                   built_archs=",".join(_ffi.PORTABLE_BUILT_ARCHS),
+                                   family_archs=" ".join(f"{family}={','.join(archs)}"
+                                                         for family, archs in TEST_BUILD_FAMILY_ARCHS.items()))
     monkeypatch.setattr(_ffi, "extension", lambda: module)
     monkeypatch.setattr(_ffi, "cuda_device_available", lambda: True)
     monkeypatch.setattr(_ffi, "device_capability", lambda: (9, 0))

@@ -42,11 +42,11 @@ def _inputs(t=64, s=64, n=4, kv_heads=2, h=64, dtype=jnp.bfloat16, seed=0):
 
 
 @pytest.mark.parametrize("capability,archs,path", [
-    ((7, 0), _ffi.DEFAULT_BUILT_ARCHS, "cudnn"), ((7, 5), _ffi.DEFAULT_BUILT_ARCHS, "cudnn"),  # bf16 on Turing
-    ((8, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"),
-    ((8, 9), _ffi.DEFAULT_BUILT_ARCHS, "cuda"), ((9, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"),
-    ((10, 0), _ffi.DEFAULT_BUILT_ARCHS, "cudnn"),  # cuDNN first on 10.x, where ours would be PTX
-    ((12, 0), _ffi.DEFAULT_BUILT_ARCHS, "cuda"),  # from the PTX
+    ((7, 0), _ffi.PORTABLE_BUILT_ARCHS, "cudnn"), ((7, 5), _ffi.PORTABLE_BUILT_ARCHS, "cudnn"),  # bf16 on Turing
+    ((8, 0), _ffi.PORTABLE_BUILT_ARCHS, "cuda"),
+    ((8, 9), _ffi.PORTABLE_BUILT_ARCHS, "cuda"), ((9, 0), _ffi.PORTABLE_BUILT_ARCHS, "cuda"),
+    ((10, 0), _ffi.PORTABLE_BUILT_ARCHS, "cudnn"),  # cuDNN first on 10.x, where ours would be PTX
+    ((12, 0), _ffi.PORTABLE_BUILT_ARCHS, "cuda"),  # from the PTX
     ((10, 0), ("80", "90a"), "cudnn"), ((12, 0), ("80", "90a"), "cudnn"),  # an install without it
 ])  # fmt: skip
 def test_each_capability_takes_the_kernels_or_cudnn(monkeypatch, cudnn_calls, capability, archs, path):

@@ -4,8 +4,6 @@ them, one query or one key, many query heads over one kv head, the smallest head
 grid limit that decides whether the kernels can take a shape. What the kernels compute at these
 shapes is tested on GPUs (test_cuda_edges.py)."""
 
-import pathlib
-import re
 
 import jax
 import jax.numpy as jnp
@@ -102,13 +100,15 @@ def test_small_shapes_against_the_reference(monkeypatch, implementation, shape):
     implementation = _implementation(implementation, monkeypatch)
     b, t, s, n, kv_heads, h, kw = SMALL_SHAPES[shape]
     q, k, v = qkv(rng_for("small", shape), jnp.bfloat16, b, t, s, n, kv_heads, h)
-    out, lse = jax_flash.attention(q, k, v, implementation=implementation, return_residual=True, **kw)
-    ref_out, ref_lse = reference.attention(q, k, v, **kw)
+    attention = lambda q, k, v: jax_flash.attention(q, k, v, implementation=implementation,  # noqa: E731
+                                                    return_residual=True, **kw)  # fmt: skip
+    out, lse = jax.jit(attention)(q, k, v)  # jitted: one compilation, not one per operation
+    ref_out, ref_lse = jax.jit(lambda q, k, v: reference.attention(q, k, v, **kw))(q, k, v)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert reference.rel_error(out, ref_out) < 1e-2
     assert reference.rel_error(lse, ref_lse) < 1e-4
-    grads = jax.grad(_loss(implementation, **kw), argnums=(0, 1, 2))(q, k, v)
-    ref_grads = jax.grad(lambda q, k, v: _reference_loss(q, k, v, **kw), argnums=(0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(_loss(implementation, **kw), argnums=(0, 1, 2)))(q, k, v)
+    ref_grads = jax.jit(jax.grad(lambda q, k, v: _reference_loss(q, k, v, **kw), argnums=(0, 1, 2)))(q, k, v)
     for name, grad, ref in zip("qkv", grads, ref_grads):
         assert reference.rel_error(grad, ref) < 2e-2, name
 
@@ -194,11 +194,30 @@ def test_the_built_targets_are_read_from_the_extension(monkeypatch):
     assert _ffi.built_archs() == _ffi.UNNAMED_BUILT_ARCHS
 
 
-def test_the_default_targets_are_cmakes():
-    """_ffi.DEFAULT_BUILT_ARCHS is the list CMakeLists.txt builds when JAX_FLASH_CUDA_ARCHS is unset."""
-    cmake = (pathlib.Path(__file__).parent.parent / "CMakeLists.txt").read_text()
-    default = re.search(r'set\(JAX_FLASH_CUDA_ARCHS "([^"]+)"\)', cmake).group(1)
-    assert tuple(default.split(";")) == _ffi.DEFAULT_BUILT_ARCHS
+@pytest.mark.parametrize("off_hopper,runs", [(("80", "80-virtual"), True), (("80",), False)])
+def test_forcing_the_mma_sync_family_on_hopper_needs_its_code(monkeypatch, off_hopper, runs):
+    """Without the test families the mma.sync files that Hopper has its own kernels for carry no
+    sm_90a code: forced on Hopper they run from the PTX (80-virtual) where it was built, else the
+    forced call says which targets it has."""
+    fake_kernels.install(monkeypatch)
+    monkeypatch.setattr(_ffi, "family_archs", lambda: {**fake_kernels.TEST_BUILD_FAMILY_ARCHS,
+                                                       "mma_sync_off_hopper": off_hopper})  # fmt: skip
+    monkeypatch.setenv(_ffi.KERNELS_ENV, "sm80")
+    q = k = _shape_only((2, 64, 4, 64))
+    assert (jax_flash.chosen_implementation(q, k, k) == "cuda") is runs
+    if not runs:
+        with pytest.raises(ValueError, match="machine code for sm_80, none of which runs on this GPU \\(9.0\\)"):
+            jax_flash.chosen_implementation(q, k, k, implementation="cuda")
+
+
+def test_the_family_targets_are_read_from_the_extension(monkeypatch):
+    listed = "hopper=90a turing=75 mma_sync=80,90a,80-virtual mma_sync_off_hopper=80,80-virtual"
+    monkeypatch.setattr(_ffi, "extension", lambda: type("Module", (), {"family_archs": listed}))
+    assert _ffi.family_archs() == {"hopper": ("90a",), "turing": ("75",), "mma_sync": ("80", "90a", "80-virtual"),
+                                   "mma_sync_off_hopper": ("80", "80-virtual")}  # fmt: skip
+    module = type("Module", (), {"built_archs": "75,80,90a"})  # a module from before it said
+    monkeypatch.setattr(_ffi, "extension", lambda: module)
+    assert _ffi.family_archs()["turing"] == ("75", "90a") and _ffi.family_archs()["mma_sync"] == ("75", "80", "90a")
 
 
 def _unsupported_reason(q, k):

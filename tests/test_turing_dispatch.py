@@ -39,16 +39,17 @@ def test_float16_up_to_128_takes_the_turing_kernels(turing_calls, monkeypatch, h
     q, k, v = qkv(rng_for("turing-dispatch", h, where), jnp.float16, 2, 40, 56, 4, 2, h)
     kw = dict(is_causal=True, local_window_size=(20, 0), softcap=20.0)
     assert jax_flash.chosen_implementation(q, k, v, **kw) == "cuda"
-    out = jax_flash.attention(q, k, v, implementation="cuda", **kw)
-    grads = jax.grad(_loss("cuda", **kw), (0, 1, 2))(q, k, v)
+    out = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation="cuda", **kw))(q, k, v)
+    grads = jax.jit(jax.grad(_loss("cuda", **kw), (0, 1, 2)))(q, k, v)
     (fwd_target, fwd_shapes), *_, (bwd_target, bwd_shapes) = turing_calls
     assert (fwd_target, fwd_shapes[0], bwd_target, bwd_shapes[0]) == (
         "jax_flash_fwd", (2, 40, 4, padded), "jax_flash_bwd", (2, 40, 4, padded))
     family = 0 if where == "turing" else 75  # the GPU's best family there, or forced
     assert int(turing_calls.attrs["jax_flash_fwd"]["kernels"]) == family
     assert int(turing_calls.attrs["jax_flash_bwd"]["kernels"]) == family
-    assert reference.rel_error(out, jax_flash.attention(q, k, v, implementation="xla", **kw)) < 1e-2
-    for mine, ref in zip(grads, jax.grad(_loss("xla", **kw), (0, 1, 2))(q, k, v), strict=True):
+    xla = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation="xla", **kw))(q, k, v)
+    assert reference.rel_error(out, xla) < 1e-2
+    for mine, ref in zip(grads, jax.jit(jax.grad(_loss("xla", **kw), (0, 1, 2)))(q, k, v), strict=True):
         assert reference.rel_error(mine, ref) < 2e-2
 
 
@@ -93,15 +94,17 @@ def test_decode_and_paged_calls_take_the_forward_kernels(turing_calls, monkeypat
     assert {target for target, _ in turing_calls} == {"jax_flash_fwd"}
 
 
-@pytest.mark.parametrize("capability,archs,forced,reason", [
-    ((7, 0), _ffi.DEFAULT_BUILT_ARCHS, None, "compute capability 7.5 or newer"),
-    # The Turing family compiles for 75 and (to test it there) 90a alone: CMakeLists.txt.
-    ((7, 5), ("80", "90a", "80-virtual"), None, "Turing kernels have machine code for sm_90a, none of which runs"),
-    ((8, 0), _ffi.DEFAULT_BUILT_ARCHS, "sm75", "Turing kernels have machine code for sm_75, sm_90a, none"),
+@pytest.mark.parametrize("capability,turing_archs,forced,reason", [
+    ((7, 0), ("75", "90a"), None, "compute capability 7.5 or newer"),
+    # Built for Hopper with the test families: the Turing family's code is sm_90a's alone.
+    ((7, 5), ("90a",), None, "Turing kernels have machine code for sm_90a, none of which runs"),
+    ((8, 0), ("75", "90a"), "sm75", "Turing kernels have machine code for sm_75, sm_90a, none"),
+    # Without the test families (the default build) Hopper has no Turing code to force.
+    ((9, 0), ("75",), "sm75", "Turing kernels have machine code for sm_75, none of which runs on this GPU \\(9.0\\)"),
 ])  # fmt: skip
-def test_no_turing_kernels_without_their_code(turing_calls, monkeypatch, capability, archs, forced, reason):
+def test_no_turing_kernels_without_their_code(turing_calls, monkeypatch, capability, turing_archs, forced, reason):
     monkeypatch.setattr(_ffi, "device_capability", lambda: capability)
-    monkeypatch.setattr(_ffi, "built_archs", lambda: archs)
+    monkeypatch.setattr(_ffi, "family_archs", lambda: {**fake_kernels.TEST_BUILD_FAMILY_ARCHS, "turing": turing_archs})
     if forced:
         monkeypatch.setenv(_ffi.KERNELS_ENV, forced)
     q, k, v = qkv(rng_for("turing-no-code", capability), jnp.float16, 1, 16, 16, 2, 2, 64)

@@ -1,6 +1,7 @@
 // The Python module jax_flash._cuda: `registrations()` maps each XLA FFI target name to a capsule
 // holding its handler, which jax_flash/_ffi.py registers with jax.ffi.register_ffi_target;
-// `built_archs` names the targets compiled (CMakeLists.txt), e.g. "80,90a";
+// `built_archs` names the targets compiled (CMakeLists.txt), e.g. "80,90a", and `family_archs`
+// those of each kernel family, e.g. "hopper=90a turing=75 mma_sync=80,90a mma_sync_off_hopper=80";
 // `sm80_backward_smem_bytes(head_dim)` the shared memory of a block of the mma.sync backward,
 // `sm80_forward_smem_bytes(head_dim)` and `sm80_wide_forward_smem_bytes(head_dim)` those of the
 // mma.sync forward up to 256 and above; `sm75_forward_smem_bytes` and `sm75_backward_smem_bytes`
@@ -26,6 +27,7 @@ NB_MODULE(_cuda, m) {
     return targets;
   });
   m.attr("built_archs") = JAX_FLASH_BUILT_ARCHS;
+  m.attr("family_archs") = JAX_FLASH_FAMILY_ARCHS;
   // nb::str, not std::string: without nanobind/stl/string.h a std::string attribute throws
   // std::bad_cast when the module is imported.
   m.attr("ffi_api_version") =
