@@ -1,10 +1,17 @@
 """Shared test setup: eight host devices (the sharding tests), float64 enabled (the reference
-runs in it), and the `gpu` marker's skip."""
+runs in it), compilation without LLVM's optimisations on a machine with no GPU, and the `gpu`
+marker's skip."""
 
 import os
 
 # Set before JAX starts its CPU backend; it only adds CPU devices, the default device is unchanged.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+flags = [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
+# The CPU tests' programs are small and each runs a few times: compiling them takes most of the
+# suite's time, and unoptimised they compile in about half of it. Not on a GPU machine, where
+# the flag would slow the GPU code that the timing tests measure.
+if not os.path.exists("/proc/driver/nvidia/version") and "xla_backend_optimization_level" not in flags[0]:
+    flags.append("--xla_backend_optimization_level=0")
+os.environ["XLA_FLAGS"] = " ".join(flags).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -50,8 +50,10 @@ def test_forward_and_gradients_equal_the_xla_path(kernel_calls, case):
     b, t, s, n, kv_heads, h = 3, 40, 56, 4, 2, 40  # head dim 40: padded to the kernels' 64
     q, k, v = qkv(rng, jnp.bfloat16, b, t, s, n, kv_heads, h)
     kw = CASES[case](rng, b, n, t, s)
-    out, lse = jax_flash.attention(q, k, v, implementation="cuda", return_residual=True, **kw)
-    ref_out, ref_lse = jax_flash.attention(q, k, v, implementation="xla", return_residual=True, **kw)
+    out, lse = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation="cuda", return_residual=True,
+                                                           **kw))(q, k, v)  # fmt: skip
+    ref_out, ref_lse = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation="xla",
+                                                                   return_residual=True, **kw))(q, k, v)  # fmt: skip
     assert out.shape == q.shape and out.dtype == q.dtype
     assert reference.rel_error(out, ref_out) < 1e-2
     assert jnp.array_equal(jnp.isneginf(lse), jnp.isneginf(ref_lse))
@@ -59,8 +61,8 @@ def test_forward_and_gradients_equal_the_xla_path(kernel_calls, case):
     assert float(jnp.max(jnp.abs(jnp.where(visible, lse - ref_lse, 0.0)))) < 1e-3
     args = (q, k, v) + ((kw["bias"],) if "bias" in kw else ())
     argnums = tuple(range(len(args)))
-    grads = jax.grad(_loss("cuda", kw), argnums)(*args)
-    for mine, ref in zip(grads, jax.grad(_loss("xla", kw), argnums)(*args), strict=True):
+    grads = jax.jit(jax.grad(_loss("cuda", kw), argnums))(*args)
+    for mine, ref in zip(grads, jax.jit(jax.grad(_loss("xla", kw), argnums))(*args), strict=True):
         assert mine.shape == ref.shape and mine.dtype == ref.dtype
         assert reference.rel_error(mine, ref) < 2e-2
     targets = [target for target, _ in kernel_calls]

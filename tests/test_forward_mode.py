@@ -35,7 +35,7 @@ def _jvp(fn, primals, tangents, kwargs):
         out, lse = fn(*args[:3], bias=args[3] if len(args) > 3 else None, **kwargs)
         return out, _finite(lse)
 
-    return jax.jvp(f, primals, tangents)
+    return jax.jit(lambda p, t: jax.jvp(f, p, t))(primals, tangents)  # one compilation, not one per operation
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -56,8 +56,8 @@ def test_dense_forward_over_reverse_matches_the_reference():
     def loss(fn):
         return lambda q: jnp.sum(jnp.sin(fn(q, k, v, **kwargs)[0]))
 
-    hvp = jax.jvp(jax.grad(loss(lambda *a, **kw: run_xla(*a, block=DENSE, **kw))), (q,), (dq,))[1]
-    ref = jax.jvp(jax.grad(loss(reference.attention)), (q,), (dq,))[1]
+    hvp = jax.jit(lambda q, dq: jax.jvp(jax.grad(loss(lambda *a, **kw: run_xla(*a, block=DENSE, **kw))), (q,), (dq,))[1])(q, dq)
+    ref = jax.jit(lambda q, dq: jax.jvp(jax.grad(loss(reference.attention)), (q,), (dq,))[1])(q, dq)
     assert reference.rel_error(hvp, ref) < 1e-9
 
 
@@ -65,7 +65,7 @@ def test_jacfwd_equals_jacrev_under_auto_mode_jit_and_vmap():
     (q, k, v), _, _ = _problem(jnp.float64, "none", t=9, s=11)
     assert jax_flash.chosen_implementation(q, k, v, is_causal=True) == "xla-dense"
     f = lambda q: jax_flash.attention(q, k, v, is_causal=True)[0, :, 0, :3]  # noqa: E731
-    assert reference.rel_error(jax.jacfwd(f)(q), jax.jacrev(f)(q)) < 1e-12
+    assert reference.rel_error(jax.jit(jax.jacfwd(f))(q), jax.jit(jax.jacrev(f))(q)) < 1e-12
     assert reference.rel_error(jax.jit(lambda t: jax.jvp(f, (q,), (t,))[1])(q), jax.jvp(f, (q,), (q,))[1]) < 1e-12
     batched = jax.vmap(lambda x: jax.jvp(f, (q,), (x,))[1])(jnp.stack([q, 2 * q]))
     assert reference.rel_error(batched[1], 2 * batched[0]) < 1e-12  # linear in the tangent
