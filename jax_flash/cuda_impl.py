@@ -84,10 +84,11 @@ def install_reason() -> str | None:
     return None
 
 
-def _family_archs() -> tuple[str, ...]:
-    """The built targets that the kernel family in use was compiled for (CMakeLists.txt): forced to
-    the mma.sync family, those of its files that Hopper GPUs otherwise leave to their own kernels."""
-    if _ffi.turing_kernels_run():
+def _family_archs(turing: bool | None = None) -> tuple[str, ...]:
+    """The built targets that the kernel family in use (the Turing one where `turing`, by default
+    where the default device runs it) was compiled for (CMakeLists.txt): forced to the mma.sync
+    family, those of its files that Hopper GPUs otherwise leave to their own kernels."""
+    if _ffi.turing_kernels_run() if turing is None else turing:
         return _ffi.family_archs()["turing"]
     if _ffi.kernel_family() == _ffi.KERNEL_FAMILIES["sm80"]:
         return _ffi.family_archs()["mma_sync_off_hopper"]
@@ -119,20 +120,18 @@ def _caller_stacklevel() -> int:
 
 def family_name(capability: tuple[int, int]) -> str:
     """Which of this install's kernel families a GPU of `capability` runs (python -m jax_flash.info)."""
-    archs = _ffi.built_archs()
     if _ffi.extension() is None:
         return "none: installed without the CUDA extension"
     if capability < MIN_KERNEL_CAPABILITY:
         return "none: the kernels need compute capability 7.5 or newer"
     family = _ffi.kernel_family()
-    if family == _ffi.KERNEL_FAMILIES["sm75"] or (family == _ffi.KERNEL_FAMILIES["best"] and capability[0] == 7):
-        archs = _ffi.family_archs()["turing"]
+    turing = family == _ffi.KERNEL_FAMILIES["sm75"] or (family == _ffi.KERNEL_FAMILIES["best"] and capability[0] == 7)
+    archs = _family_archs(turing)
+    if turing:
         name = "Turing (mma.sync m16n8k8, fp16)"
     elif _hopper_kernels_run(capability, archs):
         name = "Hopper (wgmma + TMA), with the mma.sync family for the rest"
     else:
-        if family == _ffi.KERNEL_FAMILIES["sm80"]:
-            archs = _ffi.family_archs()["mma_sync_off_hopper"]
         name = "mma.sync (sm_80 and later)"
     if not _ffi.has_machine_code(capability, archs):
         return f"none: no machine code or PTX of this install ({', '.join(archs)}) runs on {capability[0]}.{capability[1]}"

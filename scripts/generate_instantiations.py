@@ -134,6 +134,10 @@ def contract_module() -> str:
     return "\n".join(lines)
 
 
+# The lists of families.cmake, in CMakeLists.txt's order: each instantiation file is in one.
+FAMILIES = ("hopper", "turing", "mma_sync", "mma_sync_off_hopper")
+
+
 def family(kernel: str, arch: str, head_dim, variant: str) -> str:
     """Which list of families.cmake an instantiation file is in."""
     if arch == "sm80" and head_dim in HOPPER_HAS_TOO.get(kernel, ()) and variant != "kEverything":
@@ -146,14 +150,14 @@ def families_cmake(families: dict[str, list[str]]) -> str:
              "# kernel family, for CMakeLists.txt to compile each for its family's targets: hopper (sm_90a),",
              "# turing (sm_75), mma_sync (sm_80 on, Hopper included) and mma_sync_off_hopper (sm_80 on, where",
              "# Hopper runs its own kernels but for tests that force the mma.sync family)."]
-    for name in ("hopper", "turing", "mma_sync", "mma_sync_off_hopper"):
+    for name in FAMILIES:
         lines += [f"set(JAX_FLASH_{name.upper()}_SOURCES"] + [f"  {f}" for f in sorted(families[name])] + [")"]
     return "\n".join(lines) + "\n"
 
 
 def expected_files() -> dict[str, str]:
     files = {"contract.h": contract_header()}
-    families = {"hopper": [], "turing": [], "mma_sync": [], "mma_sync_off_hopper": []}
+    families = {name: [] for name in FAMILIES}
     for (kernel, arch), (header, launcher, params, head_dims, suffixes) in KERNELS.items():
         for dtype in ARCH_DTYPES.get(arch, DTYPES):
             ctype = DTYPES[dtype]
