@@ -8,6 +8,10 @@
 #   JAX_FLASH_KERNELS=sm80 JAX_FLASH_SMEM_LIMIT=101376   the grid as an sm_86/89 GPU runs it (the
 #                                           checks then run that family alone: tests/test_cuda.py's
 #                                           families_for); JAX_FLASH_KERNELS=sm75 as a T4 runs it
+#   .whl-nvcc/*.tar.xz                      PyPI's CUDA compiler (see the build step) builds, no toolkit
+#   TIME_DEFAULT_BUILD=1                    the build step times the default build (no targets named),
+#                                           then adds the test families to it
+#   END_BY=$(( $(date +%s) + 540 ))         the test step ends by then, whatever the build took
 #   TEST_TIMEOUT=300                        seconds before pytest is interrupted (SIGINT, so that it
 #                                           still prints what passed and failed so far)
 #   XDIST=4                                 run the tests in that many processes sharing the GPU
@@ -57,14 +61,38 @@ if [[ $step == build || $step == all ]] && compgen -G ".whl-h100/jax_flash-*.whl
   cp .whl-h100/ptxas.txt "$OUT/ptxas.txt" 2> /dev/null || true
   echo "build: the carried wheel's module, $(ls jax_flash/_cuda*)"
 elif [[ $step == build || $step == all ]]; then
-  start=$(date +%s)
-  # Only sm_90a here: the sm80 kernels compiled for it are the code the H100 runs anyway; the
-  # test families so that the grid can force the mma.sync and Turing families.
-  JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_ARCHS=${JAX_FLASH_CUDA_ARCHS:-90a} JAX_FLASH_TEST_FAMILIES=ON JAX_FLASH_PTXAS_VERBOSE=1 \
-    $PY -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 \
-    || { tail -50 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
+  if compgen -G ".whl-nvcc/*.tar.xz" > /dev/null; then
+    # PyPI's CUDA compiler, as a pip user without a toolkit builds with: the nvidia-cuda-nvcc, -crt,
+    # -nvvm, -cccl and -runtime wheels unpacked into one nvidia/ tree, less libnvvm.so and nvlink
+    # (which nvcc does not run here), tarred with xz to fit a call's carry; every nvcc hidden from
+    # the PATH, so that CMake takes this one (its log says so).
+    mkdir -p /tmp/pypi_cuda && tar xJf .whl-nvcc/*.tar.xz -C /tmp/pypi_cuda
+    export PYTHONPATH=/tmp/pypi_cuda${PYTHONPATH:+:$PYTHONPATH}
+    path=""
+    IFS=: read -ra dirs <<< "$PATH"
+    for dir in "${dirs[@]}"; do [[ -x $dir/nvcc ]] || path+="${path:+:}$dir"; done
+    export PATH=$path
+    unset CUDACXX
+  fi
+  build() {  # build LOG [VAR=value...]: pip's editable build, timed
+    local log=$1 start=$(date +%s); shift
+    env JAX_FLASH_CUDA=ON JAX_FLASH_PTXAS_VERBOSE=1 "$@" \
+      $PY -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/$log" 2>&1 \
+      || { tail -50 "$OUT/$log"; echo "BUILD FAILED"; exit 1; }
+    echo "build ($*): $(( $(date +%s) - start )) s; $(grep -o "jax_flash: PyPI's CUDA compiler at .*" "$OUT/$log" | head -1)"
+  }
+  if [[ -n ${TIME_DEFAULT_BUILD:-} ]]; then
+    # The default build (this GPU's targets and 80-virtual) timed, then the test families added to
+    # it, which recompiles only their files.
+    build build_default.log
+    build build.log SKBUILD_CMAKE_DEFINE=JAX_FLASH_TEST_FAMILIES=ON  # -D: the cache keeps the first value
+  else
+    # Only sm_90a here: the sm80 kernels compiled for it are the code the H100 runs anyway; the
+    # test families so that the grid can force the mma.sync and Turing families.
+    build build.log JAX_FLASH_CUDA_ARCHS=${JAX_FLASH_CUDA_ARCHS:-90a} JAX_FLASH_TEST_FAMILIES=ON
+  fi
   grep -E "Compiling entry|registers|spill|C75[0-9][0-9]" "$OUT/build.log" | sed 's/^ *//' > "$OUT/ptxas.txt"
-  echo "build: $(( $(date +%s) - start )) s; kernels with spills:"
+  echo "kernels with spills:"
   grep -B1 -E "[1-9][0-9]* bytes spill stores" "$OUT/ptxas.txt" | grep -o "entry function '[^']*'" | sort -u || true
   echo "kernels whose wgmma ptxas serialized (C7510-C7519 infos):"
   grep -E "C751[0-9]\) Potential Performance Loss" "$OUT/ptxas.txt" | grep -o "function '[^']*'" | sort -u || true
@@ -77,15 +105,21 @@ if [[ $step != build ]] && ! $PY -c "import jax_flash._cuda" 2> /dev/null; then
   exit 1
 fi
 
+# Seconds a test run may take: TEST_TIMEOUT, or what is left before END_BY.
+time_left() {  # at least 1 (timeout refuses 0 and less)
+  if [[ -n ${END_BY:-} ]]; then local left=$(( END_BY - $(date +%s) )); echo $(( left > 0 ? left : 1 ))
+  else echo ${TEST_TIMEOUT:-3000}; fi
+}
+
 if [[ $step == test || $step == all ]]; then
   if [[ -n ${XDIST:-} ]]; then
     # Workers allocate GPU memory as they need it, not 75% of it each.
     (export XLA_PYTHON_CLIENT_PREALLOCATE=false
-     timeout -s INT -k 20 ${TEST_TIMEOUT:-3000} bash -c '"$0" -m pytest -q -x -n "$XDIST" -m "gpu and not timing" "$@" && \
+     timeout -s INT -k 20 $(time_left) bash -c '"$0" -m pytest -q -x -n "$XDIST" -m "gpu and not timing" "$@" && \
        "$0" -m pytest -q -x -m "gpu and timing" "$@"' $PY ${TESTS:-tests/test_cuda.py} ${K:+-k "$K"}) \
       2>&1 | tee "$OUT/tests.log" | tail -30
   else
-    timeout -s INT -k 20 ${TEST_TIMEOUT:-3000} $PY -m pytest -q -x -m gpu ${TESTS:-tests/test_cuda.py} ${K:+-k "$K"} \
+    timeout -s INT -k 20 $(time_left) $PY -m pytest -q -x -m gpu ${TESTS:-tests/test_cuda.py} ${K:+-k "$K"} \
       2>&1 | tee "$OUT/tests.log" | tail -30
   fi
 fi
@@ -102,9 +136,9 @@ if [[ $step == grid ]]; then
       sm75) env=(JAX_FLASH_KERNELS=sm75) ;;
       *) echo "unknown grid setting $setting"; exit 1 ;;
     esac
-    env "${env[@]}" timeout -s INT -k 20 ${TEST_TIMEOUT:-3000} $PY -m pytest -v -n ${XDIST:-14} \
+    env "${env[@]}" timeout -s INT -k 20 $(time_left) $PY -m pytest -v -n ${XDIST:-14} \
       -m "gpu and not timing and not large" $tests ${K:+-k "$K"} > "$OUT/grid_$setting.log" 2>&1
-    env "${env[@]}" timeout -s INT -k 20 ${TEST_TIMEOUT:-3000} $PY -m pytest -v -m "gpu and large" $tests \
+    env "${env[@]}" timeout -s INT -k 20 $(time_left) $PY -m pytest -v -m "gpu and large" $tests \
       ${K:+-k "$K"} >> "$OUT/grid_$setting.log" 2>&1
     echo "== $setting: $(grep -E "^=+ .*(passed|failed|error).* in " "$OUT/grid_$setting.log" | tr '\n' ' ')"
     grep -E "^FAILED|^ERROR" "$OUT/grid_$setting.log" | head -20

@@ -310,6 +310,12 @@ def test_kernels_keep_poisoned_slots_out(family, monkeypatch, t, s, h, poison):
     pk, pv = _poisoned(k, lengths, poison), _poisoned(v, lengths, poison)
     _close_to_float64(run(q, pk, pv, **kw), q, k, v, 2e-2, diagonal_by_lengths=t != s, **kw)
     if 16 < t and h <= 256:  # the backward kernels' gradients (decode shapes are forward calls)
+        from jax_flash import _ffi
+
+        if not _ffi.backward_kernels_fit(h):  # under a shared-memory cap: refused, auto mode's instead
+            with pytest.raises(ValueError, match="cannot differentiate"):
+                jax.grad(lambda q: run(q, pk, pv, **kw).astype(jnp.float32).sum())(q)
+            run = lambda *a, **kw: jax_flash.attention(*a, **kw)  # noqa: E731
         grads = jax.grad(lambda q, k, v: run(q, k, v, **kw).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, pk, pv)
         clean = jax.grad(lambda q, k, v: run(q, k, v, **kw).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
         for x, ref in zip(grads, clean):
