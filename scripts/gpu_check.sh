@@ -8,7 +8,6 @@
 #   JAX_FLASH_KERNELS=sm80 JAX_FLASH_SMEM_LIMIT=101376   the grid as an sm_86/89 GPU runs it (the
 #                                           checks then run that family alone: tests/test_cuda.py's
 #                                           families_for); JAX_FLASH_KERNELS=sm75 as a T4 runs it
-#   .whl-nvcc/*.tar.xz                      PyPI's CUDA compiler (see the build step) builds, no toolkit
 #   TIME_DEFAULT_BUILD=1                    the build step times the default build (no targets named),
 #                                           then adds the test families to it
 #   END_BY=$(( $(date +%s) + 540 ))         the test step ends by then, whatever the build took
@@ -61,25 +60,12 @@ if [[ $step == build || $step == all ]] && compgen -G ".whl-h100/jax_flash-*.whl
   cp .whl-h100/ptxas.txt "$OUT/ptxas.txt" 2> /dev/null || true
   echo "build: the carried wheel's module, $(ls jax_flash/_cuda*)"
 elif [[ $step == build || $step == all ]]; then
-  if compgen -G ".whl-nvcc/*.tar.xz" > /dev/null; then
-    # PyPI's CUDA compiler, as a pip user without a toolkit builds with: the nvidia-cuda-nvcc, -crt,
-    # -nvvm, -cccl and -runtime wheels unpacked into one nvidia/ tree, less libnvvm.so and nvlink
-    # (which nvcc does not run here), tarred with xz to fit a call's carry; every nvcc hidden from
-    # the PATH, so that CMake takes this one (its log says so).
-    mkdir -p /tmp/pypi_cuda && tar xJf .whl-nvcc/*.tar.xz -C /tmp/pypi_cuda
-    export PYTHONPATH=/tmp/pypi_cuda${PYTHONPATH:+:$PYTHONPATH}
-    path=""
-    IFS=: read -ra dirs <<< "$PATH"
-    for dir in "${dirs[@]}"; do [[ -x $dir/nvcc ]] || path+="${path:+:}$dir"; done
-    export PATH=$path
-    unset CUDACXX
-  fi
   build() {  # build LOG [VAR=value...]: pip's editable build, timed
     local log=$1 start=$(date +%s); shift
     env JAX_FLASH_CUDA=ON JAX_FLASH_PTXAS_VERBOSE=1 "$@" \
       $PY -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/$log" 2>&1 \
       || { tail -50 "$OUT/$log"; echo "BUILD FAILED"; exit 1; }
-    echo "build ($*): $(( $(date +%s) - start )) s; $(grep -o "jax_flash: PyPI's CUDA compiler at .*" "$OUT/$log" | head -1)"
+    echo "build ($*): $(( $(date +%s) - start )) s"
   }
   if [[ -n ${TIME_DEFAULT_BUILD:-} ]]; then
     # The default build (this GPU's targets and 80-virtual) timed, then the test families added to
