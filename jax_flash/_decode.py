@@ -9,13 +9,12 @@ into splits so that every SM streams: enough CTAs for the GPU even at batch 1.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
 import jax
 
-from jax_flash import _contract, _env
+from jax_flash import _contract, _device, _env
 
 MAX_QUERIES = 16  # the decode kernels take calls of at most this many queries
 TILE_ROWS = _contract.DECODE_TILE_ROWS
@@ -26,12 +25,15 @@ MAX_GRID_YZ = 65535
 # already streams at 88-90% of HBM, and 33 splits at 1 x 128k ran slower than 16 (docs/perf/log.md,
 # decode D2 and D7).
 CTAS_PER_SM = 1
-# Tiles (as a share of the slots) from which one split is enough: 64 CTAs on 132 SMs, each
-# streaming one tile's keys, read at 89-92% of HBM, faster than 2 splits with their combine
-# (docs/perf/log.md, decode D8).
-ONE_SPLIT_SHARE = 0.45
-# The same for a paged cache: each load waits for its page's index, which the CTAs of one split
-# an SM do not hide (8 x 8k, pages of 64: one split 19% slower than the dense cache, two 6%; D8).
+# What one split kernel CTA streams, bytes a second, whatever the GPU: 64 CTAs read 3.0 TB/s on an
+# H100 (decode D8) and 3.1 TB/s on an H200, where that is 65% of its HBM (decode D10). One split is
+# enough once the tiles' CTAs together stream ONE_SPLIT_HBM_SHARE of the GPU's peak: fewer
+# tiles are split (each split's CTA streams as fast), and the combine costs less than the gain.
+CTA_STREAM_RATE = 47e9
+ONE_SPLIT_HBM_SHARE = 0.85
+# A paged cache needs more: each load waits for its page's index, which the CTAs of one split an
+# SM do not hide (8 x 8k, pages of 64: one split 19% slower than the dense cache, two 6%; D8).
+# Tiles (as a share of the slots) from which one split is enough there.
 PAGED_ONE_SPLIT_SHARE = 0.8
 # "0": never the decode kernels (the forward kernels take every call, to compare the two);
 # "1" or unset: wherever `takes` says.
@@ -58,25 +60,29 @@ def takes(batch: int, queries: int, heads: int, kv_heads: int, *, masks_beyond_k
     return batch <= MAX_GRID_YZ and kv_heads * row_tiles(queries, heads, kv_heads) <= MAX_GRID_YZ
 
 
-@functools.cache
 def sm_count() -> int:
-    """Streaming multiprocessors of the default GPU (132 on an H100 SXM)."""
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    return _device.sm_count()
+
+
+def one_split_tiles(paged: bool) -> float:
+    """Row tiles from which one split streams the cache near the HBM's peak (at most a wave)."""
+    slots = CTAS_PER_SM * sm_count()
+    by_bandwidth = ONE_SPLIT_HBM_SHARE * _device.hbm_peak()[1] / CTA_STREAM_RATE
+    return min(slots, max(by_bandwidth, PAGED_ONE_SPLIT_SHARE * slots) if paged else by_bandwidth)
 
 
 def splits(batch: int, queries: int, heads: int, kv_heads: int, seqlen_k: int, head_dim: int,
            paged: bool = False) -> int:
     """Splits of each row tile's keys, from the wave-efficiency of CTAS_PER_SM CTAs an SM. With
-    tiles for ONE_SPLIT_SHARE of the slots or more (PAGED_ONE_SPLIT_SHARE for a paged cache),
-    one. Otherwise as many as still fit one wave (every SM streams, and one wave has no tail), if
-    that wave is at least 85% as efficient as the best split count's; else the fewest splits that
-    are (FlashAttention's rule). Each warp keeps at least one block of keys."""
+    `one_split_tiles` tiles or more, one. Otherwise as many as still fit one wave (every SM
+    streams, and one wave has no tail), if that wave is at least 85% as efficient as the best split
+    count's; else the fewest splits that are (FlashAttention's rule). Each warp keeps at least one block of keys."""
     forced = os.environ.get(SPLITS_ENV)
     if forced:
         return max(1, min(MAX_SPLITS, int(forced)))
     tiles = batch * kv_heads * row_tiles(queries, heads, kv_heads)
     slots = CTAS_PER_SM * sm_count()
-    if tiles >= (PAGED_ONE_SPLIT_SHARE if paged else ONE_SPLIT_SHARE) * slots:
+    if tiles >= one_split_tiles(paged):
         return 1
     warps = 4 if head_dim <= 128 else 2
     most = max(1, min(MAX_SPLITS, -(-seqlen_k // BLOCK_KEYS) // warps))

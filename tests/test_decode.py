@@ -5,6 +5,8 @@ those calls to the decode target with the right operands (dense caches, pools of
 gradients) and give what the xla path gives. What the kernels compute is tested on GPUs
 (test_cuda_decode.py)."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,6 +61,16 @@ def test_split_rule_of_a_paged_cache(monkeypatch):
     assert _decode.splits(8, 1, 32, 8, 32768, 128) == 1
     assert _decode.splits(8, 1, 32, 8, 32768, 128, paged=True) == 2
     assert _decode.splits(64, 1, 32, 8, 4096, 128, paged=True) == 1
+
+
+@pytest.mark.parametrize("kind,expected", [("NVIDIA H100 80GB HBM3", 1), ("NVIDIA H200", 2), ("NVIDIA H100 PCIe", 1)])
+def test_one_split_needs_the_tiles_to_stream_the_hbms_peak(kind, expected, monkeypatch):
+    # 64 tiles of one split stream 3.0 TB/s: near an H100's peak, 65% of an H200's (decode D10)
+    monkeypatch.setattr(_decode, "sm_count", lambda: 132)
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(device_kind=kind)])
+    assert _decode.splits(8, 1, 32, 8, 32768, 128) == expected
+    assert _decode.splits(64, 1, 32, 8, 4096, 128) == 1  # 512 tiles fill the GPU
+    assert _decode.one_split_tiles(paged=False) <= _decode.one_split_tiles(paged=True) <= 132
 
 
 def test_split_rule_forced_and_bounded(monkeypatch):

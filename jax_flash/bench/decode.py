@@ -37,10 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
+from jax_flash import _device
 
-# Peak HBM bandwidth by device kind (vendor figures), most specific name first: the denominator of
-# the decode table's fraction. A device not listed is measured against the H100 SXM's, and says so.
-HBM_PEAKS = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100": 3.35e12}
 COLD_BYTES = 200 * 2**20  # copies of the cache read per timed call: 4x the H100's L2
 CALLS_PER_DISPATCH = 32  # calls per timed jitted call, each on other queries: the dispatch shrinks to 1/32
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -192,13 +190,7 @@ def run() -> list[dict]:
     return rows
 
 
-def hbm_peak() -> tuple[str, float]:
-    """(name, bytes per second) of the default device's HBM peak (HBM_PEAKS)."""
-    kind = jax.devices()[0].device_kind
-    for name, rate in HBM_PEAKS.items():
-        if name in kind:
-            return f"{name}: {rate / 1e12:.2f} TB/s", rate
-    return f"not known for {kind}; the H100 SXM's {HBM_PEAKS['H100'] / 1e12:.2f} TB/s", HBM_PEAKS["H100"]
+hbm_peak = _device.hbm_peak  # the denominator of the table's fraction
 
 
 def table(rows: list[dict]) -> str:
