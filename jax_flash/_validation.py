@@ -27,7 +27,7 @@ INPUT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """The static settings of one call (hashable: it is a `custom_vjp` nondiff argument).
+    """The static settings of one call (hashable: it is a `custom_jvp` nondiff argument and a primitive's parameter).
 
     The mask band is kept as offsets from a diagonal: key `j` is visible to query `i` when
     `-window_left <= j - (i + offset) <= window_right`. `None` means unbounded; causal attention

@@ -1,8 +1,9 @@
 """The `implementation="cuda"` path: our CUDA kernels behind XLA FFI custom calls.
 
 `unsupported_reason` is the one place that decides which calls the kernels take; `attention`
-pads the head dim up to one with kernels, then runs a `custom_vjp` whose forward and backward are
-`jax.ffi.ffi_call`s (the FFI calls themselves live in `_ffi.py`).
+pads the head dim up to one with kernels, then runs a `custom_jvp` whose forward is an
+`jax.ffi.ffi_call` and whose tangent transposes into the backward's (the FFI calls themselves
+live in `_ffi.py`; the tangent primitive in `_tangent.py`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from jax_flash import _contract, _decode, _ffi, dense_impl, xla_impl
+from jax_flash import _contract, _decode, _ffi, _tangent, dense_impl, xla_impl
 from jax_flash._masks import KernelMasks, kernel_masks
 from jax_flash._validation import AttentionConfig, Call
 
@@ -370,7 +370,7 @@ def attention(call: Call, strict: bool = False) -> tuple[jax.Array, jax.Array]:
     v = _pad_head_dim(call.value, value_dim)
     bias, mask = _bias_arrays(call)
     out, lse = _flash(call.config, strict, q, k, v, bias, mask, *_mask_arrays(call))
-    return out[..., : call.value.shape[-1]], lse
+    return out[..., : call.value.shape[-1]], lse.transpose(0, 2, 1)
 
 
 def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -382,8 +382,8 @@ def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, 
     padded = kernel_head_dim(_widest_head_dim(call), TURING_HEAD_DIMS if _ffi.turing_kernels_run() else FWD_HEAD_DIMS)
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))
     masks = _mask_arrays(call)
-    residuals = (q, k, v, *_bias_arrays(call), None, out, lse.transpose(0, 2, 1), masks, _kernel_masks(q, k, *masks))
-    dq, dk, dv = _flash_bwd(call.config, False, residuals, (d_out, d_lse))[:3]
+    dq, dk, dv, _ = _gradients(call.config, False, q, k, v, *_bias_arrays(call), False, out, lse.transpose(0, 2, 1),
+                               masks, _kernel_masks(q, k, *masks), d_out, d_lse.transpose(0, 2, 1))  # fmt: skip
     head_dim, value_dim = call.query.shape[-1], call.value.shape[-1]
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_dim]
 
@@ -407,28 +407,53 @@ def _forward(config: AttentionConfig, q, k, v, bias, mask, masks):
     return *_ffi.forward(config, q, k, v, kernel, bias, mask), kernel
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+DIFFERENTIABLE = (0, 1, 2, 3)  # q, k, v and the bias, of _flash's arrays
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _flash(config: AttentionConfig, strict: bool, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
+    """(out, lse [B, N, T]: the kernels' layout, which the backward kernels read)."""
     out, lse, _ = _forward(config, q, k, v, bias, mask, (q_len, kv_len, q_seg, kv_seg))
-    return out, lse.transpose(0, 2, 1)
+    return out, lse
 
 
-def _flash_fwd(config: AttentionConfig, strict: bool, q, k, v, bias, mask, *masks):
-    # symbolic_zeros: the arguments come as CustomVJPPrimal, which says whether the bias is
-    # differentiated; the backward computes its gradient only then (a residual of None: not).
-    differentiated_bias = bias.value if bias.perturbed else None
-    q, k, v, bias, mask, *masks = (x.value if isinstance(x, CustomVJPPrimal) else x for x in (q, k, v, bias, mask, *masks))
-    out, lse, kernel = _forward(config, q, k, v, bias, mask, masks)
-    return (out, lse.transpose(0, 2, 1)), (q, k, v, bias, mask, differentiated_bias, out, lse, masks, kernel)
+@_flash.defjvp
+def _flash_jvp(config: AttentionConfig, strict: bool, primals, tangents):
+    # Reverse mode transposes the tangent into the backward kernels (_transpose); forward mode
+    # evaluates it by the xla path's formula (_tangent_by_xla).
+    out, lse = _flash(config, strict, *primals)
+    layout = _tangent.layout_of(primals, DIFFERENTIABLE)
+    d_out, d_lse = _TANGENT((config, strict), layout, primals, out, lse, [tangents[i] for i in layout.differentiable])
+    return (out, lse), (d_out, d_lse)
 
 
-def _flash_bwd(config: AttentionConfig, strict: bool, residuals, cotangents):
-    q, k, v, bias, mask, differentiated_bias, out, lse, masks, kernel = residuals
-    want_dbias = differentiated_bias is not None
-    # Outputs that the loss does not use come as symbolic zeros. An unused lse (the usual case)
-    # passes an empty [B, N, 0] cotangent, which the kernels read as zero: no zeros to write.
-    d_out, d_lse = cotangents
-    d_out = jnp.zeros(d_out.shape, d_out.dtype) if isinstance(d_out, SymbolicZero) else d_out
+def _tangent_by_xla(static, primals, out, lse, tangents, all_key_blocks=False):
+    config, strict = static
+    if strict:
+        raise ValueError(
+            "implementation='cuda' has no forward-mode kernels (jax.jvp, jax.jacfwd, jax.linearize): "
+            "implementation=None computes the tangent by the xla path's formula beside the kernels' forward")
+    q, k, v, bias, mask, *masks = primals
+    call = Call(q, k, v, bias if bias.size else None, mask if mask.size else None, *masks, config, True)
+    tq, tk, tv, tb = tangents
+    d_out, d_lse = xla_impl.tangent(call, out, lse.transpose(0, 2, 1), (tq, tk, tv, tb if bias.size else None),
+                                    *dense_impl.backward_blocks(call), all_key_blocks=all_key_blocks)  # fmt: skip
+    return d_out, d_lse.transpose(0, 2, 1)
+
+
+def _transpose(static, primals, out, lse, d_out, d_lse, needed):
+    config, strict = static
+    q, k, v, bias, mask, *masks = primals
+    return _gradients(config, strict, q, k, v, bias, mask, needed[3], out, lse, masks, _kernel_masks(q, k, *masks),
+                      d_out, d_lse)  # fmt: skip
+
+
+def _gradients(config: AttentionConfig, strict: bool, q, k, v, bias, mask, want_dbias: bool, out, lse, masks, kernel,
+               d_out, d_lse):  # fmt: skip
+    """(dq, dk, dv, dbias or None) from the backward kernels (lse and d_lse [B, N, T]); a
+    cotangent of None is zero: an lse the loss does not use (the usual case) passes an empty
+    [B, N, 0] cotangent, which the kernels read as zero, so no zeros are written."""
+    d_out = jnp.zeros(out.shape, out.dtype) if d_out is None else d_out
     b, t, n, _ = q.shape
     # A head dim without backward kernels takes the next one up, zero-padded: zero columns change
     # no logit and get zero gradients. A narrower V (from its own forward kernel: 192 / 128) has a
@@ -446,16 +471,17 @@ def _flash_bwd(config: AttentionConfig, strict: bool, residuals, cotangents):
                 f"implementation='cuda' cannot differentiate this call: the backward kernels at head dim {padded} "
                 f"need more shared memory a block than this GPU allows ({_ffi.smem_limit()} bytes); "
                 "implementation=None takes the xla path's backward there")  # fmt: skip
-        d_lse = jnp.zeros((b, t, n), jnp.float32) if isinstance(d_lse, SymbolicZero) else d_lse
+        d_lse = jnp.zeros((b, t, n), jnp.float32) if d_lse is None else d_lse.transpose(0, 2, 1)
         call = Call(q, k, v, bias if bias.size else None, mask if mask.size else None, *masks, config, True)
         dq, dk, dv, dbias = _xla_backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse)
-        return dq, dk, dv, dbias if want_dbias else None, *(None,) * 5
-    d_lse = jnp.zeros((b, n, 0), jnp.float32) if isinstance(d_lse, SymbolicZero) else d_lse.transpose(0, 2, 1)
+        return dq, dk, dv, dbias if want_dbias else None
+    d_lse = jnp.zeros((b, n, 0), jnp.float32) if d_lse is None else d_lse
     q, k = (_pad_head_dim(x, padded) for x in (q, k))
     v, out, d_out = (_pad_head_dim(x, padded_value) for x in (v, out, d_out))
     *grads, dbias = _ffi.backward(config, q, k, v, out, lse, d_out, d_lse, kernel, bias, mask, want_dbias)
     dbias = dbias.astype(bias.dtype) if want_dbias else None
-    return tuple(g[..., :dim] for g, dim in zip(grads, dims, strict=True)) + (dbias,) + (None,) * 5
+    return tuple(g[..., :dim] for g, dim in zip(grads, dims, strict=True)) + (dbias,)
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
+_TANGENT = _tangent.TangentMap("jax_flash_cuda_attention_tangent", _tangent_by_xla, _transpose,
+                               functools.partial(_tangent_by_xla, all_key_blocks=True), symbolic_zeros=True)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_flash import cuda_impl, xla_impl
+from jax_flash import _tangent, cuda_impl, xla_impl
 from jax_flash._validation import Call, validate
 from jax_flash.attention import uses_cuda
 
@@ -198,14 +198,27 @@ def _acc_dtype(x):
     return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _ring(static: _Static, q, k, v):
-    return _ring_fwd(static, q, k, v)[0]
+    return _ring_forward(static, q, k, v)[0]
 
 
-def _ring_fwd(static: _Static, q, k, v):
+@_ring.defjvp
+def _ring_jvp(static: _Static, primals, tangents):
+    # Reverse mode transposes the tangent into the ring's own backward (_ring_bwd); forward mode
+    # evaluates it as the forward's jvp (each block's tangent by its attention's own rule).
+    out, lse = _ring_forward(static, *primals)
+    d_out, _ = _TANGENT(static, _RING_LAYOUT, primals, out, lse, tangents)
+    return out, d_out
+
+
+def _ring_tangent(static: _Static, primals, out, lse, tangents):
+    return jax.jvp(functools.partial(_ring_forward, static), tuple(primals), tuple(tangents))[1]
+
+
+def _ring_forward(static: _Static, q, k, v):
+    """(out, lse) of the whole ring: each slice of keys and values visits every device."""
     rank = jax.lax.axis_index(static.axis_name)
-    residual_kv = k, v
     acc_dtype = _acc_dtype(q)
     out = jnp.zeros(q.shape, acc_dtype)
     lse = jnp.full(q.shape[:3], -jnp.inf, acc_dtype)
@@ -216,12 +229,12 @@ def _ring_fwd(static: _Static, q, k, v):
         out, lse = _merge(out, lse, block_out, block_lse.astype(acc_dtype))
         if arriving is not None:
             k, v = arriving
-    out = out.astype(q.dtype)
-    return out, (q, *residual_kv, out, lse)
+    return out.astype(q.dtype), lse
 
 
-def _ring_bwd(static: _Static, residuals, d_out):
-    q, k, v, out, lse = residuals
+def _ring_bwd(static: _Static, primals, out, lse, d_out, d_lse, needed):
+    """(dq, dk, dv); the lse is no output of the ring, so d_lse is zero."""
+    q, k, v = primals
     rank = jax.lax.axis_index(static.axis_name)
     acc_dtype = _acc_dtype(q)
     dq = jnp.zeros(q.shape, acc_dtype)
@@ -237,4 +250,5 @@ def _ring_bwd(static: _Static, residuals, d_out):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+_RING_LAYOUT = _tangent.Layout((True, True, True), (0, 1, 2))
+_TANGENT = _tangent.TangentMap("jax_flash_ring_attention_tangent", _ring_tangent, _ring_bwd)

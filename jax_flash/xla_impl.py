@@ -3,7 +3,8 @@
 Forward: for each block of `block_q` queries (a `lax.map`), loop over the key blocks that the
 mask band can reach, keeping the running row max `m`, row sum `l` and output accumulator in
 float32 (online softmax). Backward: recompute each probability block from the saved log-sum-exp,
-accumulate dQ per query block and dK/dV (and dBias) across query blocks. No buffer larger than
+accumulate dQ per query block and dK/dV (and dBias) across query blocks. Forward mode: the same
+loops carrying the tangents of the row sums and the output. No buffer larger than
 `block_q x block_k` per head is ever formed, so memory is O(seqlen) (`tests/test_memory.py`).
 
 Shapes inside: queries are grouped as [B, T, K, G, H] (G = N // K query heads share one K/V head),
@@ -12,6 +13,7 @@ so GQA never repeats K/V; logits blocks are [B, K, G, block_q, block_k].
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_flash import _tangent as _tangent_map
 from jax_flash._partition import vary_like, zeros_like
 from jax_flash._validation import AttentionConfig, Call
 
@@ -333,7 +336,61 @@ def _backward(cfg, plan, ops, out, lse, d_out, d_lse):
     return _unblock(dq, t).astype(dtype), dk, dv, dbias
 
 
-# ---- custom_vjp wiring ---------------------------------------------------------------------
+def _tangent_q_block(cfg, plan, ops, tops, out, lse, all_key_blocks, iq):
+    """Forward-mode tangents of one query block: with P = exp(S - lse) and dS the logits'
+    tangent, d_lse = sum_j P dS and d_out = sum_j P (dS V + dV) - d_lse O. `all_key_blocks`: a
+    loop over every key block, not the band's (static bounds, which reverse mode goes through)."""
+    acc = _acc_dtype(ops.q.dtype)
+    rows = lambda x: lax.dynamic_slice_in_dim(x, iq * plan.block_q, plan.block_q, axis=1)  # noqa: E731
+    q_block, tq_block = rows(ops.q), rows(tops.q)
+    lse_block = lax.dynamic_slice_in_dim(lse, iq * plan.block_q, plan.block_q, axis=3)
+
+    def step(jk, carry):
+        d_lse, u = carry
+        k0 = jk * plan.block_k
+        blocks = lambda x: lax.dynamic_slice_in_dim(x, k0, plan.block_k, axis=1)  # noqa: E731
+        k_block, v_block, tk_block, tv_block = blocks(ops.k), blocks(ops.v), blocks(tops.k), blocks(tops.v)
+        s, tanh_s = _logits(cfg, plan, ops, q_block, iq, jk)
+        p = jnp.exp(s - lse_block[..., None])  # 0 where not visible
+        ds = (jnp.einsum("bqkgh,bskh->bkgqs", tq_block, k_block, preferred_element_type=acc)
+              + jnp.einsum("bqkgh,bskh->bkgqs", q_block, tk_block, preferred_element_type=acc)) * cfg.scale
+        if tanh_s is not None:
+            ds = ds * (1.0 - tanh_s * tanh_s)
+        if tops.bias is not None:
+            ds = ds + _tile(tops.bias, iq * plan.block_q, plan.block_q, k0, plan.block_k).astype(acc)
+        pds = jnp.where(p > 0, p * ds, 0.0)  # no tangent from a pair that takes no part
+        u = u + jnp.einsum("bkgqs,bskh->bkgqh", pds.astype(ops.v.dtype), v_block, preferred_element_type=acc)
+        u = u + jnp.einsum("bkgqs,bskh->bkgqh", p.astype(ops.v.dtype), tv_block, preferred_element_type=acc)
+        return d_lse + pds.sum(-1), u
+
+    o_block = rows(out).transpose(0, 2, 3, 1, 4).astype(acc)  # [B, K, G, bq, Hv]
+    init = vary_like((zeros_like(o_block[..., 0], acc), zeros_like(o_block, acc)), *_present(ops), *_present(tops))
+    lo, hi = (0, plan.num_k_blocks) if all_key_blocks else _key_block_range(cfg, plan, iq)
+    d_lse, u = lax.fori_loop(lo, hi, step, init)
+    d_out = u - d_lse[..., None] * o_block
+    b, _, kv_heads, g, _ = ops.q.shape
+    d_out = d_out.transpose(0, 3, 1, 2, 4).reshape(b, plan.block_q, kv_heads * g, -1)
+    d_lse = d_lse.transpose(0, 3, 1, 2).reshape(b, plan.block_q, kv_heads * g)
+    return d_out.astype(out.dtype), d_lse.astype(lse.dtype)
+
+
+def _tangent(static: _Static, primals, out, lse, tangents, all_key_blocks=False):
+    """(d_out, d_lse) of a call for tangents of q, k, v (and the bias, where there is one)."""
+    call = _call_from(static, primals)
+    tq, tk, tv, *tb = tangents
+    ops = _operands(call, static.plan)
+    tops = _operands(dataclasses.replace(call, query=tq, key=tk, value=tv, bias=tb[0] if tb else None), static.plan)
+    b, tp, kv_heads, g, _ = ops.q.shape
+    grouped_out = _pad_axis(out, 1, tp).reshape(b, tp, kv_heads, g, out.shape[3])
+    grouped_lse = _pad_axis(lse, 1, tp, -jnp.inf).reshape(b, tp, kv_heads, g).transpose(0, 2, 3, 1)
+    grouped_lse = jnp.where(grouped_lse == -jnp.inf, 0.0, grouped_lse)  # fully masked rows: p = 0
+    d_out, d_lse = lax.map(functools.partial(_tangent_q_block, static.config, static.plan, ops, tops,
+                                             grouped_out, grouped_lse, all_key_blocks),
+                           jnp.arange(static.plan.num_q_blocks))  # fmt: skip
+    return _unblock(d_out, static.t), _unblock(d_lse, static.t)
+
+
+# ---- differentiation: a custom_jvp whose tangent transposes to the backward above -------------
 
 
 class _Static(NamedTuple):
@@ -343,25 +400,31 @@ class _Static(NamedTuple):
     s: int
 
 
+DIFFERENTIABLE = (0, 1, 2, 3)  # q, k, v and the bias, of (q, k, v, bias, mask, lengths, segment ids)
+
+
 def _call_from(static: _Static, args) -> Call:
     q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg = args
     return Call(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, static.config, True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _flash(static: _Static, *args):
-    return _flash_fwd(static, *args)[0]
-
-
-def _flash_fwd(static: _Static, *args):
     ops = _operands(_call_from(static, args), static.plan)
-    out, lse = _forward(static.config, static.plan, ops, static.t)
-    return (out, lse), (args, out, lse)
+    return _forward(static.config, static.plan, ops, static.t)
 
 
-def _flash_bwd(static: _Static, residuals, cotangents):
-    args, out, lse = residuals
-    return _gradients(static, _call_from(static, args), out, lse, *cotangents) + (None,) * 5
+@_flash.defjvp
+def _flash_jvp(static: _Static, primals, tangents):
+    out, lse = _flash(static, *primals)
+    layout = _tangent_map.layout_of(primals, DIFFERENTIABLE)
+    d_out, d_lse = _TANGENT(static, layout, primals, out, lse, [tangents[i] for i in layout.differentiable])
+    return (out, lse), (d_out, d_lse)
+
+
+def _transpose(static: _Static, primals, out, lse, d_out, d_lse, needed):
+    dq, dk, dv, dbias = _gradients(static, _call_from(static, primals), out, lse, d_out, d_lse)
+    return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)
 
 
 def _gradients(static: _Static, call: Call, out, lse, d_out, d_lse):
@@ -377,7 +440,8 @@ def _gradients(static: _Static, call: Call, out, lse, d_out, d_lse):
     return dq, dk, dv, dbias
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_TANGENT = _tangent_map.TangentMap("jax_flash_xla_attention_tangent", _tangent, _transpose,
+                                   functools.partial(_tangent, all_key_blocks=True))
 
 
 def _static(call: Call, block_q: int, block_k: int) -> _Static:
@@ -400,6 +464,15 @@ def attention(
     args = (call.query, call.key, call.value, call.bias, call.mask, call.query_seq_lengths,
             call.key_value_seq_lengths, call.q_segment_ids, call.kv_segment_ids)  # fmt: skip
     return _flash(_static(call, block_q, block_k), *args)
+
+
+def tangent(call: Call, out, lse, tangents, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K, all_key_blocks=False):
+    """Forward mode alone: (d_out, d_lse) of a call from its output and lse [B, T, N], for
+    tangents (dq, dk, dv, dbias or None). The CUDA path's forward-mode AD runs it."""
+    args = (call.query, call.key, call.value, call.bias, call.mask, call.query_seq_lengths,
+            call.key_value_seq_lengths, call.q_segment_ids, call.kv_segment_ids)  # fmt: skip
+    present = tangents if call.bias is not None else tangents[:3]
+    return _tangent(_static(call, block_q, block_k), args, out, lse, present, all_key_blocks)
 
 
 def backward(call: Call, out, lse, d_out, d_lse, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):

@@ -138,6 +138,43 @@ def test_vmap_of_the_gradient_without_a_bias(kernel_calls):
     assert kernel_calls[-1][0] == "jax_flash_bwd" and kernel_calls[-1][1][0] == (6, 24, 2, 32)  # folded
 
 
+@pytest.mark.parametrize("case", ["causal", "bias", "everything"])
+def test_forward_mode_runs_the_forward_kernel_and_the_xla_tangent(kernel_calls, case):
+    """Auto mode: jax.jvp and jax.jacfwd run the forward kernel for the primal and the xla path's
+    formula for the tangent (no kernel computes one), as the xla path's own jvp gives; reverse
+    mode still transposes into the backward kernel."""
+    rng = rng_for("cuda-path-jvp", case)
+    b, t, s, n, kv_heads, h = 2, 24, 40, 4, 2, 40
+    q, k, v = qkv(rng, jnp.float32, b, t, s, n, kv_heads, h)
+    kw = CASES[case](rng, b, n, t, s)
+    bias = kw.pop("bias", None)
+    primals = (q, k, v) if bias is None else (q, k, v, bias)
+    tangents = tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in primals)
+    primals, tangents = (tuple(x.astype(jnp.bfloat16) for x in xs) for xs in (primals, tangents))
+
+    def f(implementation):
+        return lambda *a: jax_flash.attention(*a[:3], bias=a[3] if len(a) > 3 else None,
+                                              implementation=implementation, **kw)  # fmt: skip
+
+    out, d_out = jax.jit(lambda p, t: jax.jvp(f(None), p, t))(primals, tangents)
+    ref_out, ref_d_out = jax.jit(lambda p, t: jax.jvp(f("xla"), p, t))(primals, tangents)
+    assert d_out.dtype == jnp.bfloat16
+    assert reference.rel_error(out, ref_out) < 1e-2 and reference.rel_error(d_out, ref_d_out) < 2e-2
+    assert [target for target, _ in kernel_calls] == ["jax_flash_fwd"]
+    kernel_calls.clear()
+    jax.grad(lambda q: f(None)(q, *primals[1:]).astype(jnp.float32).sum())(primals[0])
+    assert [target for target, _ in kernel_calls] == ["jax_flash_fwd", "jax_flash_bwd"]
+
+
+def test_forward_mode_under_implementation_cuda_says_what_to_use(kernel_calls):
+    q, k, v = qkv(rng_for("cuda-path-jvp-strict"), jnp.bfloat16, 2, 24, 24, 2, 1, 32)
+    f = lambda q: jax_flash.attention(q, k, v, is_causal=True, implementation="cuda")  # noqa: E731
+    with pytest.raises(ValueError, match="implementation='cuda' has no forward-mode kernels.*implementation=None"):
+        jax.jvp(f, (q,), (q,))
+    jax.grad(lambda q: f(q).astype(jnp.float32).sum())(q)  # reverse mode: the kernels' backward
+    assert [target for target, _ in kernel_calls][-2:] == ["jax_flash_fwd", "jax_flash_bwd"]
+
+
 def test_auto_mode_takes_the_kernels_where_they_run(kernel_calls):
     q, k, v = qkv(rng_for("cuda-path-auto"), jnp.bfloat16, 2, 16, 16, 2, 2, 64)
     jax_flash.attention(q, k, v, is_causal=True, softcap=20.0)

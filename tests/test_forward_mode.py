@@ -1,7 +1,9 @@
-"""Forward-mode AD (jax.jvp, jax.jacfwd, forward over reverse) where the README says it works: the
-xla path's dense formulation, against the float64 reference's jvp. The blockwise path and the
-kernels are custom_vjps, which JAX refuses a jvp (README; docs/perf/log.md, "Forward-mode AD on
-the blockwise path", for what was tried).
+"""Forward-mode AD (jax.jvp, jax.jacfwd, jax.linearize, forward over reverse and reverse over
+forward) on both formulations of the xla path, against the float64 reference's jvp. The blockwise
+path is a custom_jvp whose tangent, one primitive (jax_flash/_tangent.py), reverse mode
+transposes into the hand-written backward: its gradients stay the backward's, bit for bit. The
+CUDA path's forward mode (the kernels' forward, the tangent by the xla formula) is tested through
+the fake kernels (test_cuda_path_on_cpu.py).
 """
 
 import jax
@@ -11,7 +13,9 @@ import pytest
 import jax_flash
 from tests import reference
 from tests.cases import CASES, qkv, rng_for
-from tests.test_xla_path import DENSE, run_xla
+from jax_flash import xla_impl
+from jax_flash._validation import validate
+from tests.test_xla_path import _NO_OPTIONS, DENSE, run_xla
 
 B, T, S, N, KV, H = 3, 37, 45, 4, 2, 16
 
@@ -71,7 +75,85 @@ def test_jacfwd_equals_jacrev_under_auto_mode_jit_and_vmap():
     assert reference.rel_error(batched[1], 2 * batched[0]) < 1e-12  # linear in the tangent
 
 
-def test_the_blockwise_path_refuses_a_jvp_as_the_readme_says():
-    primals, tangents, _ = _problem(jnp.float64, "causal")
-    with pytest.raises(TypeError, match="forward-mode.*custom_vjp"):
-        jax.jvp(lambda *a: run_xla(*a, block=16, is_causal=True)[0], primals, tangents)
+def _blockwise(*args, **kwargs):
+    return run_xla(*args, block=16, **kwargs)  # several query and key blocks, tails included
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_blockwise_jvp_matches_the_reference(case):
+    primals, tangents, kwargs = _problem(jnp.float64, case)
+    (out, lse), (d_out, d_lse) = _jvp(_blockwise, primals, tangents, kwargs)
+    (ref_out, _), (ref_d_out, ref_d_lse) = _jvp(reference.attention, primals, tangents, kwargs)
+    assert d_out.dtype == jnp.float64 and d_lse.dtype == lse.dtype
+    assert reference.rel_error(out, ref_out) < 1e-10
+    assert reference.rel_error(d_out, ref_d_out) < 1e-10
+    assert reference.rel_error(d_lse, ref_d_lse) < 1e-10
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_blockwise_jvp_in_low_precision(dtype, tolerance):
+    primals, tangents, kwargs = _problem(dtype, "lengths_causal")
+    (_, _), (d_out, d_lse) = _jvp(_blockwise, primals, tangents, kwargs)
+    wide = lambda xs: tuple(x.astype(jnp.float64) for x in xs)  # noqa: E731
+    (_, _), (ref_d_out, ref_d_lse) = _jvp(reference.attention, wide(primals), wide(tangents), kwargs)
+    assert d_out.dtype == dtype and d_lse.dtype == jnp.float32
+    assert reference.rel_error(d_out, ref_d_out) < tolerance
+    assert reference.rel_error(d_lse, ref_d_lse) < tolerance
+
+
+def test_blockwise_gradients_are_the_hand_written_backwards():
+    """Reverse mode transposes the tangent into xla_impl's backward: the same numbers as calling
+    it on the forward's output and lse."""
+    (q, k, v, bias), _, kwargs = _problem(jnp.float32, "softcap_bias_window")
+    out, vjp = jax.vjp(lambda *a: _blockwise(*a[:3], bias=a[3], **kwargs)[0], q, k, v, bias)
+    d_out = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+    call = validate(q, k, v, bias, None, **{**_NO_OPTIONS, **kwargs})
+    out, lse = xla_impl.attention(call, block_q=16, block_k=16)
+    expected = xla_impl.backward(call, out, lse, d_out, jnp.zeros_like(lse), block_q=16, block_k=16)
+    for g, e in zip(vjp(d_out), expected, strict=True):
+        assert g.dtype == e.dtype and bool(jnp.array_equal(g, e))
+
+
+def test_blockwise_second_order_both_ways():
+    (q, k, v), (dq, *_), kwargs = _problem(jnp.float64, "window_causal")
+
+    def loss(fn):
+        return lambda q: jnp.sum(jnp.sin(fn(q, k, v, **kwargs)[0]))
+
+    def tangent_energy(fn):  # reverse over forward: a gradient of a jvp
+        return lambda q: jnp.sum(jax.jvp(lambda q: fn(q, k, v, **kwargs)[0], (q,), (dq,))[1] ** 2)
+
+    for second_order in (lambda f: jax.jvp(jax.grad(loss(f)), (q,), (dq,))[1], lambda f: jax.grad(tangent_energy(f))(q)):
+        ours = jax.jit(lambda q: second_order(_blockwise))(q)
+        ref = jax.jit(lambda q: second_order(reference.attention))(q)
+        assert reference.rel_error(ours, ref) < 1e-9
+
+
+def test_blockwise_jacfwd_linearize_and_vmap():
+    (q, k, v), (dq, *_), kwargs = _problem(jnp.float64, "segments_causal", t=20, s=24)
+    f = lambda q: _blockwise(q, k, v, **kwargs)[0]  # noqa: E731
+    first = lambda q: f(q)[0, :3, 0, :2]  # noqa: E731
+    assert reference.rel_error(jax.jit(jax.jacfwd(first))(q), jax.jit(jax.jacrev(first))(q)) < 1e-12
+    _, linear = jax.linearize(f, q)
+    ref = jax.jvp(lambda q: reference.attention(q, k, v, **kwargs)[0], (q,), (dq,))[1]
+    assert reference.rel_error(linear(dq), ref) < 1e-10
+    # vmap over the tangents, and over the primals (folded into the batch by the tangent's rule)
+    batched = jax.vmap(lambda t: jax.jvp(f, (q,), (t,))[1])(jnp.stack([dq, 2 * dq]))
+    assert reference.rel_error(batched[1], 2 * batched[0]) < 1e-12
+    both = jax.jit(jax.vmap(lambda q, t: jax.jvp(f, (q,), (t,))[1]))(jnp.stack([q, 2 * q]), jnp.stack([dq, dq]))
+    ref_both = jax.vmap(lambda q, t: jax.jvp(lambda q: reference.attention(q, k, v, **kwargs)[0], (q,), (t,))[1])(
+        jnp.stack([q, 2 * q]), jnp.stack([dq, dq]))  # fmt: skip
+    assert reference.rel_error(both, ref_both) < 1e-10
+
+
+def test_blockwise_tangents_ignore_poisoned_slots():
+    """NaN and inf in keys, values and their tangents past the key lengths reach no tangent."""
+    (q, k, v), (dq, dk, dv), kwargs = _problem(jnp.float64, "kv_lengths")
+    lengths = kwargs["key_value_seq_lengths"]
+    past = jnp.arange(S)[None, :, None, None] >= lengths[:, None, None, None]
+    poison = lambda x, value: jnp.where(past, value, x)  # noqa: E731
+    clean = _jvp(_blockwise, (q, k, v), (dq, dk, dv), kwargs)[1]
+    poisoned = _jvp(_blockwise, (q, poison(k, jnp.nan), poison(v, jnp.inf)),
+                    (dq, poison(dk, jnp.inf), poison(dv, jnp.nan)), kwargs)[1]  # fmt: skip
+    for a, b in zip(poisoned, clean, strict=True):
+        assert bool(jnp.isfinite(a).all()) and reference.rel_error(a, b) < 1e-12

@@ -61,6 +61,23 @@ def test_ring_matches_single_device(is_causal, heads):
         np.testing.assert_allclose(mine, theirs, rtol=2e-4, atol=2e-5, err_msg=f"d{name}")
 
 
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_ring_forward_mode_matches_single_device(is_causal):
+    """jax.jvp through the ring: each block's tangent by its attention's rule, merged as the
+    outputs are; the gradient still comes from the ring's backward (the test above)."""
+    mesh = _mesh()
+    rng = rng_for("ring-jvp", is_causal)
+    q, k, v = qkv(rng, jnp.float32, 2, 64, 64, 4, 2, 16)
+    tangents = tuple(jnp.asarray(rng.normal(size=x.shape), jnp.float32) for x in (q, k, v))
+    ring = _ring_fn(mesh, is_causal)
+    order = (lambda x: jax_flash.zigzag(x, RING)) if is_causal else (lambda x: x)
+    restore = (lambda x: jax_flash.unzigzag(x, RING)) if is_causal else (lambda x: x)
+    ours = jax.jit(lambda p, t: jax.jvp(lambda *a: restore(ring(*map(order, a))), p, t)[1])((q, k, v), tangents)
+    single = lambda *a: jax_flash.attention(*a, is_causal=is_causal, implementation="xla")  # noqa: E731
+    ref = jax.jit(lambda p, t: jax.jvp(single, p, t)[1])((q, k, v), tangents)
+    assert reference.rel_error(ours, ref) < 1e-5
+
+
 @pytest.mark.parametrize("h", [32, 320])
 def test_ring_on_the_kernel_path(monkeypatch, h):
     """The ring's CUDA branch (kernel calls inside shard_map, their results' varying axes, the
