@@ -52,7 +52,7 @@ def _vary_over(x, axes):
 
 def vary_like(results, *inputs) -> tuple:
     """`results` made varying over the mesh axes that `inputs` vary over. Inside `shard_map` an
-    ffi_call's results carry no varying axes, and a custom_vjp whose cotangents do not match its
+    ffi_call's results carry no varying axes, and a gradient whose cotangents do not match its
     inputs' types is refused (a gradient of the kernels inside shard_map, ring attention)."""
     wanted = frozenset().union(*(varying_axes(x) for x in inputs))
     return tuple(_vary_over(r, wanted) for r in results)

@@ -1,6 +1,6 @@
 """The CUDA path's Python, on CPU: with a pure-JAX stand-in for the two custom calls
 (tests/fake_kernels.py), `implementation="cuda"` runs its real plumbing (head-dim padding, the mask
-operands and their chunk summaries, the custom_vjp, vmap folding, partitioning) and must give what
+operands and their chunk summaries, the custom_jvp and its transpose, vmap folding, partitioning) and must give what
 the xla path gives. What the kernels compute is tested on GPUs (test_cuda*.py)."""
 
 import types

@@ -205,7 +205,7 @@ def test_kernels_on_sharded_gpu_inputs(spec, axis_type, kv_heads):
 
 def test_kernel_results_vary_like_their_inputs_inside_shard_map():
     """An ffi_call's results carry no varying mesh axes; `_partition.vary_like` gives them the inputs'
-    (else the custom_vjp of a kernel call inside shard_map refuses its cotangents)."""
+    (else the gradient of a kernel call inside shard_map has cotangents of the wrong type)."""
     mesh = jax.make_mesh((2,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices("cpu")[:2])
     seen = {}
 
