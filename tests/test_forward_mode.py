@@ -132,8 +132,11 @@ def test_blockwise_second_order_both_ways():
 def test_blockwise_jacfwd_linearize_and_vmap():
     (q, k, v), (dq, *_), kwargs = _problem(jnp.float64, "segments_causal", t=20, s=24)
     f = lambda q: _blockwise(q, k, v, **kwargs)[0]  # noqa: E731
-    first = lambda q: f(q)[0, :3, 0, :2]  # noqa: E731
-    assert reference.rel_error(jax.jit(jax.jacfwd(first))(q), jax.jit(jax.jacrev(first))(q)) < 1e-12
+    # a Jacobian along three directions of q (jacfwd of all of q would vmap over its every element)
+    directions = jnp.stack([dq, jnp.cos(dq), jnp.sin(q)])
+    along = lambda a: f(q + jnp.tensordot(a, directions, 1))[0, :3, 0, :2]  # noqa: E731
+    a0 = jnp.zeros(3, q.dtype)
+    assert reference.rel_error(jax.jit(jax.jacfwd(along))(a0), jax.jit(jax.jacrev(along))(a0)) < 1e-12
     _, linear = jax.linearize(f, q)
     ref = jax.jvp(lambda q: reference.attention(q, k, v, **kwargs)[0], (q,), (dq,))[1]
     assert reference.rel_error(linear(dq), ref) < 1e-10
