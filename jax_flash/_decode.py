@@ -12,8 +12,6 @@ from __future__ import annotations
 import math
 import os
 
-import jax
-
 from jax_flash import _contract, _device, _env
 
 MAX_QUERIES = 16  # the decode kernels take calls of at most this many queries
