@@ -74,7 +74,8 @@ def splits(batch: int, queries: int, heads: int, kv_heads: int, seqlen_k: int, h
     """Splits of each row tile's keys, from the wave-efficiency of CTAS_PER_SM CTAs an SM. With
     `one_split_tiles` tiles or more, one. Otherwise as many as still fit one wave (every SM
     streams, and one wave has no tail), if that wave is at least 85% as efficient as the best split
-    count's; else the fewest splits that are (FlashAttention's rule). Each warp keeps at least one block of keys."""
+    count's; else the fewest splits that are (FlashAttention's rule). Each warp keeps at least one
+    block of keys."""
     forced = os.environ.get(SPLITS_ENV)
     if forced:
         return max(1, min(MAX_SPLITS, int(forced)))

@@ -355,6 +355,12 @@ def _bias_arrays(call: Call) -> tuple:
     return _ffi.bias_operand(call.bias, batch, call.query.dtype), _ffi.mask_operand(call.mask, batch)
 
 
+def _call_of_operands(config: AttentionConfig, q, k, v, bias, mask, masks) -> Call:
+    """The call that the kernels' operands stand for (an empty bias or mask: none), for the xla
+    path's formulas where no kernel runs."""
+    return Call(q, k, v, bias if bias.size else None, mask if mask.size else None, *masks, config, True)
+
+
 def _kernel_masks(q, k, q_len, kv_len, q_seg, kv_seg) -> KernelMasks:
     return kernel_masks(q.shape[0], q.shape[1], k.shape[1], q_len, kv_len, q_seg, kv_seg)
 
@@ -434,7 +440,7 @@ def _tangent_by_xla(static, primals, out, lse, tangents, all_key_blocks=False):
             "implementation='cuda' has no forward-mode kernels (jax.jvp, jax.jacfwd, jax.linearize): "
             "implementation=None computes the tangent by the xla path's formula beside the kernels' forward")
     q, k, v, bias, mask, *masks = primals
-    call = Call(q, k, v, bias if bias.size else None, mask if mask.size else None, *masks, config, True)
+    call = _call_of_operands(config, q, k, v, bias, mask, masks)
     tq, tk, tv, tb = tangents
     d_out, d_lse = xla_impl.tangent(call, out, lse.transpose(0, 2, 1), (tq, tk, tv, tb if bias.size else None),
                                     *dense_impl.backward_blocks(call), all_key_blocks=all_key_blocks)  # fmt: skip
@@ -472,7 +478,7 @@ def _gradients(config: AttentionConfig, strict: bool, q, k, v, bias, mask, want_
                 f"need more shared memory a block than this GPU allows ({_ffi.smem_limit()} bytes); "
                 "implementation=None takes the xla path's backward there")  # fmt: skip
         d_lse = jnp.zeros((b, t, n), jnp.float32) if d_lse is None else d_lse.transpose(0, 2, 1)
-        call = Call(q, k, v, bias if bias.size else None, mask if mask.size else None, *masks, config, True)
+        call = _call_of_operands(config, q, k, v, bias, mask, masks)
         dq, dk, dv, dbias = _xla_backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse)
         return dq, dk, dv, dbias if want_dbias else None
     d_lse = jnp.zeros((b, n, 0), jnp.float32) if d_lse is None else d_lse

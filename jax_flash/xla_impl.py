@@ -270,22 +270,30 @@ def _reduce_to(x, shape):
     return x.sum(axes, keepdims=True) if axes else x
 
 
+def _grouped_rows(x, q_shape, fill):
+    """Row statistics [B, T, N] as [B, K, G, Tp], for queries grouped as q_shape [B, Tp, K, G, H]."""
+    b, tp, kv_heads, g, _ = q_shape
+    return _pad_axis(x, 1, tp, fill).reshape(b, tp, kv_heads, g).transpose(0, 2, 3, 1)
+
+
+def _lse_shift(lse, q_shape):
+    """The grouped lse that probabilities are recomputed against, exp(S - shift): 0 for rows that
+    see no key (every S is -inf there, so every p is exp(-inf) = 0, not NaN)."""
+    lse = _grouped_rows(lse, q_shape, -jnp.inf)
+    return jnp.where(lse == -jnp.inf, 0.0, lse)
+
+
 def _backward(cfg, plan, ops, out, lse, d_out, d_lse):
     b, tp, kv_heads, g, h = ops.q.shape
     t = out.shape[1]
     acc = _acc_dtype(ops.q.dtype)
     dtype = ops.q.dtype
 
-    def grouped_rows(x, fill):  # [B, T, N] -> [B, K, G, Tp]
-        x = _pad_axis(x, 1, tp, fill).reshape(b, tp, kv_heads, g)
-        return x.transpose(0, 2, 3, 1)
-
     inputs = (*_present(ops), out, lse, d_out, d_lse)
     # D = rowsum(dO * O); a cotangent on the log-sum-exp enters as -dLSE (dLSE/dS = P).
     delta = jnp.sum(d_out.astype(acc) * out.astype(acc), axis=-1) - d_lse.astype(acc)
-    delta = grouped_rows(delta, 0.0)
-    lse = grouped_rows(lse.astype(acc), -jnp.inf)
-    lse = jnp.where(lse == -jnp.inf, 0.0, lse)  # fully masked rows: every p is exp(-inf) = 0
+    delta = _grouped_rows(delta, ops.q.shape, 0.0)
+    lse = _lse_shift(lse.astype(acc), ops.q.shape)
     d_out = _pad_axis(d_out, 1, tp).reshape(b, tp, kv_heads, g, d_out.shape[3])  # [.., Hv]
 
     def q_block_step(carry, iq):
@@ -382,10 +390,8 @@ def _tangent(static: _Static, primals, out, lse, tangents, all_key_blocks=False)
     tops = _operands(dataclasses.replace(call, query=tq, key=tk, value=tv, bias=tb[0] if tb else None), static.plan)
     b, tp, kv_heads, g, _ = ops.q.shape
     grouped_out = _pad_axis(out, 1, tp).reshape(b, tp, kv_heads, g, out.shape[3])
-    grouped_lse = _pad_axis(lse, 1, tp, -jnp.inf).reshape(b, tp, kv_heads, g).transpose(0, 2, 3, 1)
-    grouped_lse = jnp.where(grouped_lse == -jnp.inf, 0.0, grouped_lse)  # fully masked rows: p = 0
     d_out, d_lse = lax.map(functools.partial(_tangent_q_block, static.config, static.plan, ops, tops,
-                                             grouped_out, grouped_lse, all_key_blocks),
+                                             grouped_out, _lse_shift(lse, ops.q.shape), all_key_blocks),
                            jnp.arange(static.plan.num_q_blocks))  # fmt: skip
     return _unblock(d_out, static.t), _unblock(d_lse, static.t)
 
@@ -401,6 +407,12 @@ class _Static(NamedTuple):
 
 
 DIFFERENTIABLE = (0, 1, 2, 3)  # q, k, v and the bias, of (q, k, v, bias, mask, lengths, segment ids)
+
+
+def _args(call: Call) -> tuple:
+    """A call's arrays in _flash's order (the inverse of _call_from)."""
+    return (call.query, call.key, call.value, call.bias, call.mask, call.query_seq_lengths,
+            call.key_value_seq_lengths, call.q_segment_ids, call.kv_segment_ids)  # fmt: skip
 
 
 def _call_from(static: _Static, args) -> Call:
@@ -461,18 +473,14 @@ def attention(
     """Blockwise attention of a validated call: (output [B, T, N, H], lse [B, T, N]).
 
     lse is float32 (float64 for float64 inputs)."""
-    args = (call.query, call.key, call.value, call.bias, call.mask, call.query_seq_lengths,
-            call.key_value_seq_lengths, call.q_segment_ids, call.kv_segment_ids)  # fmt: skip
-    return _flash(_static(call, block_q, block_k), *args)
+    return _flash(_static(call, block_q, block_k), *_args(call))
 
 
 def tangent(call: Call, out, lse, tangents, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K, all_key_blocks=False):
     """Forward mode alone: (d_out, d_lse) of a call from its output and lse [B, T, N], for
     tangents (dq, dk, dv, dbias or None). The CUDA path's forward-mode AD runs it."""
-    args = (call.query, call.key, call.value, call.bias, call.mask, call.query_seq_lengths,
-            call.key_value_seq_lengths, call.q_segment_ids, call.kv_segment_ids)  # fmt: skip
     present = tangents if call.bias is not None else tangents[:3]
-    return _tangent(_static(call, block_q, block_k), args, out, lse, present, all_key_blocks)
+    return _tangent(_static(call, block_q, block_k), _args(call), out, lse, present, all_key_blocks)
 
 
 def backward(call: Call, out, lse, d_out, d_lse, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
