@@ -160,3 +160,32 @@ def test_blockwise_tangents_ignore_poisoned_slots():
                     (dq, poison(dk, jnp.inf), poison(dv, jnp.nan)), kwargs)[1]  # fmt: skip
     for a, b in zip(poisoned, clean, strict=True):
         assert bool(jnp.isfinite(a).all()) and reference.rel_error(a, b) < 1e-12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal", "lengths_causal", "segments", "softcap"])
+def test_kernel_path_jvp_matches_the_reference(case):
+    """On a GPU, auto mode's jvp runs the forward kernel for the primal (bit for bit the plain
+    call's output) and the xla formula for the tangent, within bf16's tolerance of the float64 jvp;
+    jacfwd and jacrev (the backward kernel) agree along a direction."""
+    rng = rng_for("jvp-kernels", case)
+    b, t, s, n, kv_heads, h = 2, 200, 256, 4, 2, 64
+    q, k, v = (x.astype(jnp.bfloat16) for x in qkv(rng, jnp.float32, b, t, s, n, kv_heads, h))
+    tangents = tuple(jnp.asarray(rng.normal(size=x.shape), jnp.bfloat16) for x in (q, k, v))
+    kwargs = CASES[case](rng, b, n, t, s)
+    f = lambda q, k, v: jax_flash.attention(q, k, v, **kwargs)  # noqa: E731
+    jvp = jax.jit(lambda p, d: jax.jvp(f, p, d))
+    assert "jax_flash_fwd" in jvp.lower((q, k, v), tangents).as_text()
+    out, d_out = jvp((q, k, v), tangents)
+    assert bool(jnp.array_equal(out, jax.jit(f)(q, k, v)))
+    wide = lambda xs: tuple(x.astype(jnp.float64) for x in xs)  # noqa: E731
+    ref = lambda *a: reference.attention(*a, **kwargs)[0]  # noqa: E731
+    ref_out, ref_d_out = jax.jvp(ref, wide((q, k, v)), wide(tangents))
+    assert reference.rel_error(out, ref_out) < 1e-2 and reference.rel_error(d_out, ref_d_out) < 2e-2
+    # <g, J dq> by forward mode against <J^T g, dq> by the backward kernel.
+    g = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    # Rounding error scales with the norms (the sums cancel), not with the product's size.
+    along_q = jax.jvp(lambda q: f(q, k, v), (q,), (tangents[0],))[1].astype(jnp.float32)
+    dq = jax.grad(lambda q: jnp.vdot(g, f(q, k, v).astype(jnp.float32)))(q)
+    reverse = jnp.vdot(dq.astype(jnp.float32), tangents[0].astype(jnp.float32))
+    assert abs(float(jnp.vdot(g, along_q) - reverse)) < 1e-2 * float(jnp.linalg.norm(g) * jnp.linalg.norm(along_q))
