@@ -94,6 +94,11 @@ def turing_takes(dtype, h, **kw) -> bool:
     return dtype == jnp.float16 and h <= 128 and kw.get("bias") is None and kw.get("mask") is None
 
 
+def forced_family() -> str:
+    """The family the whole run forces (JAX_FLASH_KERNELS: the grid run as another GPU), else "best"."""
+    return os.environ.get(_ffi.KERNELS_ENV) or "best"
+
+
 def turing_dtype(family: str, dtype=jnp.bfloat16):
     """float16 for the Turing family (it takes no bf16), else `dtype`."""
     return jnp.float16 if family == "sm75" else dtype

@@ -8,7 +8,7 @@ import pytest
 
 import jax_flash
 from tests.cases import qkv, rng_for
-from tests.test_cuda import _custom_call_targets, check
+from tests.test_cuda import _custom_call_targets, check, forced_family, turing_dtype
 from tests.test_cuda_masks import _lengths, _packed
 from tests.timing import rested_seconds
 
@@ -42,7 +42,7 @@ def test_softcap_with_masks(h, kw):
 
 
 def test_auto_mode_runs_softcap_on_the_kernels():
-    q, k, v = qkv(rng_for("auto_softcap"), jnp.bfloat16, 1, 256, 256, 2, 2, 128)
+    q, k, v = qkv(rng_for("auto_softcap"), turing_dtype(forced_family()), 1, 256, 256, 2, 2, 128)
     kw = dict(softcap=20.0, is_causal=True)
     fwd = _custom_call_targets(lambda q, k, v: jax_flash.attention(q, k, v, **kw), q, k, v)
     grad = _custom_call_targets(

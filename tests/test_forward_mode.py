@@ -15,6 +15,7 @@ from tests import reference
 from tests.cases import CASES, qkv, rng_for
 from jax_flash import xla_impl
 from jax_flash._validation import validate
+from tests.test_cuda import forced_family, turing_dtype
 from tests.test_xla_path import _NO_OPTIONS, DENSE, run_xla
 
 B, T, S, N, KV, H = 3, 37, 45, 4, 2, 16
@@ -170,8 +171,9 @@ def test_kernel_path_jvp_matches_the_reference(case):
     jacfwd and jacrev (the backward kernel) agree along a direction."""
     rng = rng_for("jvp-kernels", case)
     b, t, s, n, kv_heads, h = 2, 200, 256, 4, 2, 64
-    q, k, v = (x.astype(jnp.bfloat16) for x in qkv(rng, jnp.float32, b, t, s, n, kv_heads, h))
-    tangents = tuple(jnp.asarray(rng.normal(size=x.shape), jnp.bfloat16) for x in (q, k, v))
+    dtype = turing_dtype(forced_family())  # the grid run as a T4 (JAX_FLASH_KERNELS=sm75) takes float16
+    q, k, v = (x.astype(dtype) for x in qkv(rng, jnp.float32, b, t, s, n, kv_heads, h))
+    tangents = tuple(jnp.asarray(rng.normal(size=x.shape), dtype) for x in (q, k, v))
     kwargs = CASES[case](rng, b, n, t, s)
     f = lambda q, k, v: jax_flash.attention(q, k, v, **kwargs)  # noqa: E731
     jvp = jax.jit(lambda p, d: jax.jvp(f, p, d))
