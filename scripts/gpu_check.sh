@@ -4,7 +4,8 @@
 # ./gpu_logs. Usage: scripts/gpu_check.sh [build|test|grid|bench|sanitize|profile|all]
 #   A wheel in .whl-h100/ (scripts/build_h100_wheel.sh, carried) replaces the build: its module is
 #   unpacked beside the sources.
-#   TESTS="tests/test_cuda.py" K="causal"   which tests the test step runs
+#   TESTS="tests/test_cuda.py" K="causal"   which tests the test and grid steps run (default: every
+#                                           GPU test, `-m gpu tests/`)
 #   JAX_FLASH_KERNELS=sm80 JAX_FLASH_SMEM_LIMIT=101376   the grid as an sm_86/89 GPU runs it (the
 #                                           checks then run that family alone: tests/test_cuda.py's
 #                                           families_for); JAX_FLASH_KERNELS=sm75 as a T4 runs it
@@ -102,10 +103,10 @@ if [[ $step == test || $step == all ]]; then
     # Workers allocate GPU memory as they need it, not 75% of it each.
     (export XLA_PYTHON_CLIENT_PREALLOCATE=false
      timeout -s INT -k 20 $(time_left) bash -c '"$0" -m pytest -q -x -n "$XDIST" -m "gpu and not timing" "$@" && \
-       "$0" -m pytest -q -x -m "gpu and timing" "$@"' $PY ${TESTS:-tests/test_cuda.py} ${K:+-k "$K"}) \
+       "$0" -m pytest -q -x -m "gpu and timing" "$@"' $PY ${TESTS:-tests/} ${K:+-k "$K"}) \
       2>&1 | tee "$OUT/tests.log" | tail -30
   else
-    timeout -s INT -k 20 $(time_left) $PY -m pytest -q -x -m gpu ${TESTS:-tests/test_cuda.py} ${K:+-k "$K"} \
+    timeout -s INT -k 20 $(time_left) $PY -m pytest -q -x -m gpu ${TESTS:-tests/} ${K:+-k "$K"} \
       2>&1 | tee "$OUT/tests.log" | tail -30
   fi
 fi
@@ -113,7 +114,7 @@ fi
 if [[ $step == grid ]]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_COMPILATION_CACHE_DIR=$PWD/build/jax_cache \
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-  tests=${TESTS:-tests/test_cuda*.py}
+  tests=${TESTS:-tests/}
   for setting in ${GRID:-best 99k 163k sm75}; do
     case $setting in
       best) env=() ;;

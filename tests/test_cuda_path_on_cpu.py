@@ -11,7 +11,7 @@ import pytest
 from jaxlib import xla_client
 
 import jax_flash
-from jax_flash import _decode, _ffi, dense_impl
+from jax_flash import _contract, _decode, _ffi, dense_impl
 from tests import fake_kernels, reference
 from tests.cases import CASES, qkv, rng_for
 
@@ -282,25 +282,26 @@ def test_handlers_are_registered_for_cuda_graphs(monkeypatch):
 
 
 def _smaller_gpu(monkeypatch, capability, smem_bytes):
-    """The stand-in module's mma.sync backward takes `smem_bytes` a block on a GPU of `capability`."""
-    module = types.SimpleNamespace(sm80_backward_smem_bytes=lambda head_dim: smem_bytes)
+    """The stand-in module's mma.sync (and Turing) backward takes `smem_bytes` a block on a GPU of `capability`."""
+    module = types.SimpleNamespace(sm80_backward_smem_bytes=lambda head_dim: smem_bytes,
+                                   sm75_backward_smem_bytes=lambda head_dim: smem_bytes)
     monkeypatch.setattr(_ffi, "extension", lambda: module)
     monkeypatch.setattr(_ffi, "device_capability", lambda: capability)
 
 
-@pytest.mark.parametrize("capability,smem_bytes,fits", [
-    ((9, 0), 10**6, True),  # Hopper's own backward (head dim 64)
-    ((8, 0), 165888, True),  # the d = 128 mma.sync backward within an A100's 163 KB
-    ((8, 0), 214016, False),  # the d = 256 one is not
-    ((8, 6), 116736, False),  # no mma.sync backward fits sm_86's 99 KB
-    ((8, 9), 101376, True),
-    ((12, 0), 101376, True),  # an unknown GPU: taken as the smallest limit
-    ((12, 0), 101377, False),
-])  # fmt: skip
-def test_backward_kernels_fit_the_gpus_shared_memory(monkeypatch, capability, smem_bytes, fits):
-    _smaller_gpu(monkeypatch, capability, smem_bytes)
+@pytest.mark.parametrize("capability", sorted(_ffi.SMEM_OPTIN_BY_CAPABILITY) + [(12, 9)])
+def test_backward_kernels_fit_the_gpus_shared_memory(monkeypatch, capability):
+    """The rule, on every GPU of the table and one it does not list: a backward fits where its
+    bytes a block are within the GPU's opt-in limit (an unlisted GPU of 8.0 or later: the smallest
+    such limit), and Hopper's own backward fits on 9.0 whatever the mma.sync one would take."""
     monkeypatch.delenv(_ffi.SMEM_LIMIT_ENV, raising=False)
-    assert _ffi.backward_kernels_fit(64) is fits
+    monkeypatch.delenv(_ffi.KERNELS_ENV, raising=False)
+    listed = {c: b for c, b in _ffi.SMEM_OPTIN_BY_CAPABILITY.items() if c >= (8, 0)}
+    limit = _ffi.SMEM_OPTIN_BY_CAPABILITY.get(capability, min(listed.values()))
+    for smem_bytes, head_dim in [(limit, 128), (limit + 1, 128), (limit, 96), (limit + 1, 96)]:
+        _smaller_gpu(monkeypatch, capability, smem_bytes)
+        hopper_own = capability == (9, 0) and head_dim in _contract.BWD_SM90_HEAD_DIMS
+        assert _ffi.backward_kernels_fit(head_dim) is (hopper_own or smem_bytes <= limit), (smem_bytes, head_dim)
 
 
 def test_a_shared_memory_limit_set_for_tests(monkeypatch):

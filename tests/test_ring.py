@@ -156,6 +156,7 @@ def test_ring_on_gpus_matches_single_gpu(is_causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.timing
 def test_ring_hides_its_communication():
     """`python -m jax_flash.bench --ring` at 32768 tokens per GPU: the ring's forward + backward
     takes at most 1.2x the time one GPU takes for the block pairs of one ring member (issue 7)."""

@@ -59,52 +59,49 @@ def loss_and_grads(fn, q, k, v, kwargs, rng):
     return outputs_and_grads(q, k, v, bias)
 
 
-def check_against_reference(dtype, b, t, s, n, kv_heads, h, case, block=16):
+BOTH = (16, DENSE)  # the blockwise formulation (16-wide blocks) and the dense one
+
+
+def check_against_reference(dtype, b, t, s, n, kv_heads, h, case, blocks=(16,)):
+    """Each formulation of `blocks` against one float64 reference (compiled once for them all)."""
     rng = rng_for(dtype, b, t, s, n, kv_heads, h, case)
     q, k, v = qkv(rng, dtype, b, t, s, n, kv_heads, h)
     kwargs = CASES[case](rng, b, n, t, s)
-    ours = loss_and_grads(lambda *a, **kw: run_xla(*a, block=block, **kw), q, k, v, dict(kwargs),
-                          rng_for("grad", dtype, case))
     ref = loss_and_grads(reference.attention, q, k, v, dict(kwargs), rng_for("grad", dtype, case))
     out_tol, grad_tol = TOL[dtype]
-    assert ours[0].dtype == dtype and ours[1].dtype == jnp.promote_types(dtype, jnp.float32)
-    assert reference.rel_error(ours[0], ref[0]) < out_tol
-    assert reference.rel_error(ours[1], ref[1]) < max(out_tol, 1e-6)
-    for name, g, g_ref in zip(DIFF_ARGS, ours[2], ref[2]):
-        assert g.dtype == (dtype if name != "bias" else kwargs["bias"].dtype), name
-        assert reference.rel_error(g, g_ref) < grad_tol, name
-    return ours
+    for block in blocks:
+        ours = loss_and_grads(lambda *a, block=block, **kw: run_xla(*a, block=block, **kw), q, k, v, dict(kwargs),
+                              rng_for("grad", dtype, case))
+        formulation = "dense" if block is DENSE else f"blocks of {block}"
+        assert ours[0].dtype == dtype and ours[1].dtype == jnp.promote_types(dtype, jnp.float32), formulation
+        assert reference.rel_error(ours[0], ref[0]) < out_tol, formulation
+        assert reference.rel_error(ours[1], ref[1]) < max(out_tol, 1e-6), formulation
+        for name, g, g_ref in zip(DIFF_ARGS, ours[2], ref[2]):
+            assert g.dtype == (dtype if name != "bias" else kwargs["bias"].dtype), (formulation, name)
+            assert reference.rel_error(g, g_ref) < grad_tol, (formulation, name)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("t,s", [(37, 37), (21, 50), (50, 19)])
 def test_float64_every_case(case, t, s):
-    check_against_reference(jnp.float64, 3, t, s, 4, 2, 16, case)
+    check_against_reference(jnp.float64, 3, t, s, 4, 2, 16, case, blocks=BOTH)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("t,s", [(37, 37), (21, 50), (50, 19)])
-def test_dense_float64_every_case(case, t, s):
-    check_against_reference(jnp.float64, 3, t, s, 4, 2, 16, case, block=DENSE)
-
-
-@pytest.mark.parametrize("block", [16, DENSE], ids=["blockwise", "dense"])
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("h", [32, 64, 128])
 @pytest.mark.parametrize("case", ["none", "causal"])
-def test_dtypes_and_head_dims(dtype, h, case, block):
-    check_against_reference(dtype, 2, 45, 70, 4, 2, h, case, block=block)
+def test_dtypes_and_head_dims(dtype, h, case):
+    check_against_reference(dtype, 2, 45, 70, 4, 2, h, case, blocks=BOTH)
 
 
-@pytest.mark.parametrize("block", [16, DENSE], ids=["blockwise", "dense"])
 @pytest.mark.parametrize("h", [320, 448, 1000])
 @pytest.mark.parametrize("case", ["causal", "segments_causal", "softcap_bias_window"])
-def test_head_dims_past_256(h, case, block):
+def test_head_dims_past_256(h, case):
     """Head dims wider than the kernels' 256 (the xla path runs them in auto mode), odd multiples
     of 8 and 1000 among them. (Not "everything": its bias is broadcast over the keys, whose
     gradient is a difference of terms that grow with sqrt(head dim); from bf16 outputs its error
     reaches 4% at 1000, against 1.3% at 128.)"""
-    check_against_reference(jnp.bfloat16, 1, 37, 50, 2, 1, h, case, block=block)
+    check_against_reference(jnp.bfloat16, 1, 37, 50, 2, 1, h, case, blocks=BOTH)
 
 
 def _has_loop(fn, *args) -> bool:
@@ -185,7 +182,7 @@ def test_mha_gqa_mqa(n, kv_heads, case):
 
 @pytest.mark.parametrize("t,s", [(1, 1), (1, 40), (40, 1), (7, 129)])
 def test_odd_lengths(t, s):
-    check_against_reference(jnp.float64, 3, t, s, 2, 1, 8, "causal", block=8)
+    check_against_reference(jnp.float64, 3, t, s, 2, 1, 8, "causal", blocks=(8,))
 
 
 def test_default_blocks_match_small_blocks():
