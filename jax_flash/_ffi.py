@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxlib import xla_client
 
-from jax_flash import _batching, _contract, _decode, _env, _partition
+from jax_flash import _batching, _contract, _decode, _env, _operands, _partition
 from jax_flash._masks import KernelMasks
 
 
@@ -202,9 +202,22 @@ def deterministic() -> bool:
 
 
 def call_kernel(target: str, result_types, operands, attrs: dict):
-    """One custom call. (A module-level function, so that the CPU tests of the partitioning can
-    put a pure-JAX stand-in for the kernels here.)"""
-    return jax.ffi.ffi_call(target, result_types)(*operands, **attrs)
+    """One custom call: its operands and result types as the target's named tuples
+    (_operands.py, generated from the handlers' table), its attributes by name. (A module-level
+    function, so that the CPU tests of the partitioning can put a pure-JAX stand-in for the
+    kernels here.)"""
+    attrs = checked_attrs(target, operands, result_types, attrs)
+    return jax.ffi.ffi_call(target, tuple(result_types))(*operands, **attrs)
+
+
+def checked_attrs(target: str, operands, result_types, attrs: dict) -> dict:
+    """attrs, once the call is seen to match the handler's table: a missing or extra operand or
+    attribute would otherwise reach the handler as a shifted buffer."""
+    operand_type, result_type, names = _operands.TARGETS[target]
+    if type(operands) is not operand_type or type(result_types) is not result_type or set(attrs) != set(names):
+        raise TypeError(f"{target} takes {operand_type.__name__}, {result_type.__name__} and the attributes "
+                        f"{names}; got {type(operands).__name__}, {type(result_types).__name__} and {tuple(attrs)}")
+    return attrs
 
 
 # _partition layouts of the KernelMasks operands: seqlens, q/kv segments, q/kv chunk summaries.
@@ -253,12 +266,13 @@ def forward(config, q, k, v, masks: KernelMasks, bias, mask):
     def run(q, k, v, bias, mask, *masks):
         def kernel(q, k, v, bias, mask, *masks):
             b, t, n, _ = q.shape
-            result_types = (
-                jax.ShapeDtypeStruct((b, t, n, v.shape[-1]), q.dtype),
-                jax.ShapeDtypeStruct((b, n, t), jnp.float32),
-                jax.ShapeDtypeStruct((_fwd_scratch_size(b, t, n),), jnp.int32),  # the sm90 forward's tile scratch
+            result_types = _operands.FwdResults(
+                o=jax.ShapeDtypeStruct((b, t, n, v.shape[-1]), q.dtype),
+                lse=jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+                tile_scratch=jax.ShapeDtypeStruct((_fwd_scratch_size(b, t, n),), jnp.int32),
             )
-            out, lse, _ = call_kernel("jax_flash_fwd", result_types, (q, k, v, *masks, bias, mask), attrs)
+            operands = _operands.FwdOperands(q, k, v, *masks, bias=bias, mask=mask)
+            out, lse, _ = call_kernel("jax_flash_fwd", result_types, operands, attrs)
             return out, lse
 
         b, _, n, _ = q.shape
@@ -287,14 +301,14 @@ def decode(config, q, k, v, kv_lengths, page_table):
             seqlen_k = k.shape[1] * page_table.shape[1] if paged else k.shape[1]
             splits = _decode.splits(b, t, n, k.shape[2], seqlen_k, h, paged=paged)
             scratch = (splits, b, t, n) if splits > 1 else (0,)
-            result_types = (
-                jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct((b, n, t), jnp.float32),
-                jax.ShapeDtypeStruct(scratch + (h,) if splits > 1 else scratch, jnp.float32),  # each split's output
-                jax.ShapeDtypeStruct(scratch, jnp.float32),  # and log-sum-exp
+            result_types = _operands.DecodeResults(
+                o=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                lse=jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+                o_partial=jax.ShapeDtypeStruct(scratch + (h,) if splits > 1 else scratch, jnp.float32),
+                lse_partial=jax.ShapeDtypeStruct(scratch, jnp.float32),
             )
-            out, lse, *_ = call_kernel("jax_flash_decode", result_types, (q, k, v, kv_lengths, page_table),
-                                       dict(attrs, splits=np.int32(splits)))  # fmt: skip
+            operands = _operands.DecodeOperands(q, k, v, kv_lengths=kv_lengths, page_table=page_table)
+            out, lse, *_ = call_kernel("jax_flash_decode", result_types, operands, dict(attrs, splits=np.int32(splits)))
             return out, lse
 
         cache = "--k-" if paged else "b-k-"  # a pool of pages belongs to no batch row
@@ -321,17 +335,17 @@ def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, 
             # Per-row statistics scratch, rows padded to whole query blocks (cuda/common/params.h).
             padded_t = -(-t // _contract.STATS_ROW_MULTIPLE) * _contract.STATS_ROW_MULTIPLE
             stats = jax.ShapeDtypeStruct((b, n, padded_t), jnp.float32)
-            result_types = (
-                jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct(k.shape, k.dtype),
-                jax.ShapeDtypeStruct(v.shape, v.dtype),
-                jax.ShapeDtypeStruct((b, padded_t, n, q.shape[3]), jnp.float32),  # dQ accumulator scratch
-                stats,  # delta = rowsum(dO * O) - dlse
-                stats,  # lse in base 2
-                jax.ShapeDtypeStruct((b, n, padded_t // _contract.DQ_COUNTER_ROWS), jnp.int32),  # dQ turn counters
-                jax.ShapeDtypeStruct(_dbias_shape(bias, q, k) if want_dbias else (b, 0, 0, 0), jnp.float32),
+            result_types = _operands.BwdResults(
+                dq=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                dk=jax.ShapeDtypeStruct(k.shape, k.dtype),
+                dv=jax.ShapeDtypeStruct(v.shape, v.dtype),
+                dq_accum=jax.ShapeDtypeStruct((b, padded_t, n, q.shape[3]), jnp.float32),
+                delta=stats,  # rowsum(dO * O) - dlse
+                lse_log2=stats,
+                dq_turns=jax.ShapeDtypeStruct((b, n, padded_t // _contract.DQ_COUNTER_ROWS), jnp.int32),
+                dbias=jax.ShapeDtypeStruct(_dbias_shape(bias, q, k) if want_dbias else (b, 0, 0, 0), jnp.float32),
             )
-            operands = (q, k, v, out, lse, d_out, d_lse, *masks, bias, mask)
+            operands = _operands.BwdOperands(q, k, v, out, lse, d_out, d_lse, *masks, bias=bias, mask=mask)
             dq, dk, dv, *_scratch, dbias = call_kernel("jax_flash_bwd", result_types, operands, attrs)
             broadcast_axes = tuple(i for i in range(4) if dbias.shape[i] != bias.shape[i])
             return dq, dk, dv, dbias.sum(broadcast_axes, keepdims=True) if broadcast_axes else dbias

@@ -2,9 +2,10 @@
 compiles them in parallel, the family of each (families.cmake: which targets CMakeLists.txt
 compiles it for), and the kernel contract, once for C++ (cuda/generated/contract.h) and
 once for Python (jax_flash/_contract.py): the head dims with kernels, the layout of the segment
-chunk summaries, the scratch sizes and row multiples the Python layer allocates for the kernels.
-Nothing of it is written by hand anywhere else. `--check` fails when a file is not what this script
-writes.
+chunk summaries, the scratch sizes and row multiples the Python layer allocates for the kernels;
+and, from scripts/ffi_operands.py's table, each custom call's operands (cuda/generated/ffi_operands.h
+and jax_flash/_operands.py). Nothing of it is written by hand anywhere else. `--check` fails when a
+file is not what this script writes.
 
     python scripts/generate_instantiations.py [--check]
 """
@@ -13,9 +14,12 @@ import argparse
 import pathlib
 import sys
 
+import ffi_operands
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "cuda" / "generated"
 PY_CONTRACT = ROOT / "jax_flash" / "_contract.py"
+PY_OPERANDS = ROOT / "jax_flash" / "_operands.py"
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 # Head dims with kernels, per kernel family; other head dims are zero-padded up by the Python layer.
 HEAD_DIMS = {
@@ -156,7 +160,7 @@ def families_cmake(families: dict[str, list[str]]) -> str:
 
 
 def expected_files() -> dict[str, str]:
-    files = {"contract.h": contract_header()}
+    files = {"contract.h": contract_header(), "ffi_operands.h": ffi_operands.header()}
     families = {name: [] for name in FAMILIES}
     for (kernel, arch), (header, launcher, params, head_dims, suffixes) in KERNELS.items():
         for dtype in ARCH_DTYPES.get(arch, DTYPES):
@@ -181,22 +185,27 @@ def main():
     args = parser.parse_args()
     files = expected_files()
     present = {p.name: p.read_text() for p in OUT.iterdir() if p.suffix in (".cu", ".h", ".cmake")} if OUT.exists() else {}
-    module = contract_module()
+    modules = {PY_CONTRACT: contract_module(), PY_OPERANDS: ffi_operands.module()}
     if args.check:
         stale = sorted(set(present) ^ set(files) | {n for n in files if present.get(n) != files[n]})
-        if not PY_CONTRACT.exists() or PY_CONTRACT.read_text() != module:
-            stale.append(str(PY_CONTRACT.relative_to(ROOT)))
+        stale += [str(path.relative_to(ROOT)) for path, text in modules.items()
+                  if not path.exists() or path.read_text() != text]
         if stale:
             sys.exit(f"generated files are stale ({', '.join(stale)}): run python scripts/generate_instantiations.py")
-        print(f"cuda/generated ({len(files)} files) and {PY_CONTRACT.relative_to(ROOT)} are current")
+        print(f"cuda/generated ({len(files)} files) and {_names(modules)} are current")
         return
     OUT.mkdir(parents=True, exist_ok=True)
     for name in set(present) - set(files):
         (OUT / name).unlink()
     for name, text in files.items():
         (OUT / name).write_text(text)
-    PY_CONTRACT.write_text(module)
-    print(f"wrote {len(files)} files to {OUT.relative_to(ROOT)} and {PY_CONTRACT.relative_to(ROOT)}")
+    for path, text in modules.items():
+        path.write_text(text)
+    print(f"wrote {len(files)} files to {OUT.relative_to(ROOT)} and {_names(modules)}")
+
+
+def _names(paths) -> str:
+    return ", ".join(str(p.relative_to(ROOT)) for p in paths)
 
 
 if __name__ == "__main__":

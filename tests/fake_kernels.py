@@ -34,10 +34,12 @@ def _dbias_result(dbias, result_type):
 
 
 def call_kernel(target: str, result_types, operands, attrs: dict):
+    attrs = _ffi.checked_attrs(target, operands, result_types, attrs)  # as the real call checks them
     if target == "jax_flash_fwd":
-        q, k, v, seqlens, q_segments, kv_segments, _, _, bias, mask = operands
-        out, lse = xla_impl.attention(_call(attrs, q, k, v, seqlens, q_segments, kv_segments, bias, mask))
-        return out, lse.transpose(0, 2, 1), jnp.zeros(result_types[2].shape, result_types[2].dtype)
+        x = operands
+        call = _call(attrs, x.q, x.k, x.v, x.seqlens, x.q_segments, x.kv_segments, x.bias, x.mask)
+        out, lse = xla_impl.attention(call)
+        return out, lse.transpose(0, 2, 1), _zeros(result_types.tile_scratch)
     if target == "jax_flash_decode":
         q, k, v, kv_lengths, page_table = operands
         if page_table.shape[1]:  # a pool of pages: the sequences' caches gathered from it
@@ -48,15 +50,17 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
         if kv_lengths.shape[1]:  # clamped into the cache, as the kernels do
             seqlens = jnp.stack([jnp.full((b,), t, jnp.int32), jnp.clip(kv_lengths[:, 0], 0, s)], -1)
         out, lse = xla_impl.attention(_call(attrs, q, k, v, seqlens, empty, empty, empty, empty))
-        scratch = [jnp.zeros(r.shape, r.dtype) for r in result_types[2:]]
-        return out, lse.transpose(0, 2, 1), *scratch
-    assert target == "jax_flash_bwd", target
-    q, k, v, out, lse, d_out, d_lse, seqlens, q_segments, kv_segments, _, _, bias, mask = operands
-    call = _call(attrs, q, k, v, seqlens, q_segments, kv_segments, bias, mask)
-    d_lse = jnp.zeros(lse.shape, lse.dtype) if d_lse.size == 0 else d_lse  # empty: the lse unused
-    dq, dk, dv, dbias = xla_impl.backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse.transpose(0, 2, 1))
-    scratch = [jnp.zeros(r.shape, r.dtype) for r in result_types[3:7]]
-    return (dq.astype(result_types[0].dtype), dk, dv, *scratch, _dbias_result(dbias, result_types[7]))
+        return out, lse.transpose(0, 2, 1), _zeros(result_types.o_partial), _zeros(result_types.lse_partial)
+    x, r = operands, result_types
+    call = _call(attrs, x.q, x.k, x.v, x.seqlens, x.q_segments, x.kv_segments, x.bias, x.mask)
+    d_lse = jnp.zeros(x.lse.shape, x.lse.dtype) if x.dlse.size == 0 else x.dlse  # empty: the lse unused
+    dq, dk, dv, dbias = xla_impl.backward(call, x.o, x.lse.transpose(0, 2, 1), x.dout, d_lse.transpose(0, 2, 1))
+    scratch = [_zeros(t) for t in (r.dq_accum, r.delta, r.lse_log2, r.dq_turns)]
+    return (dq.astype(r.dq.dtype), dk, dv, *scratch, _dbias_result(dbias, r.dbias))
+
+
+def _zeros(result_type):
+    return jnp.zeros(result_type.shape, result_type.dtype)
 
 
 # What a portable build with the test families (JAX_FLASH_TEST_FAMILIES=ON, as the GPU tests run)

@@ -64,7 +64,8 @@ def test_forward_and_gradients(monkeypatch, path_name, dims, case):
 
     ours = lambda q, k, v, bias: jax_flash.attention(q, k, v, bias, implementation=path, **kw)  # noqa: E731
     ref = lambda q, k, v, bias: reference.attention(q, k, v, bias, **kw)[0]  # noqa: E731
-    out, lse = jax.jit(lambda *a: jax_flash.attention(*a, implementation=path, return_residual=True, **kw))(q, k, v, bias)
+    with_lse = lambda *a: jax_flash.attention(*a, implementation=path, return_residual=True, **kw)  # noqa: E731
+    out, lse = jax.jit(with_lse)(q, k, v, bias)
     ref_out, ref_lse = jax.jit(lambda *a: reference.attention(*a, **kw))(q, k, v, bias)
     assert out.shape == (2, 24, 4, hv) and out.dtype == q.dtype
     assert reference.rel_error(out, ref_out) < 1e-2 and reference.rel_error(lse, ref_lse) < 1e-4

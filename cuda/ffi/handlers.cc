@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common/params.h"
+#include "generated/ffi_operands.h"
 #include "launch/dispatch.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -181,13 +182,7 @@ ffi::Error launch_status(cudaError_t status, const char* what) {
   return ffi::Error::Success();
 }
 
-ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                    ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> q_segments,
-                    ffi::Buffer<ffi::S32> kv_segments, ffi::Buffer<ffi::S32> q_chunks,
-                    ffi::Buffer<ffi::S32> kv_chunks, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
-                    ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                    ffi::Result<ffi::Buffer<ffi::S32>> tile_scratch, float scale, float softcap,
-                    int32_t window_left, int32_t window_right, int32_t diagonal_by_lengths, int32_t kernels) {
+ffi::Error fwd_impl(JAX_FLASH_FWD_PARAMS) {
   FwdParams p{};
   DType dtype;
   if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p, -1, /*value_dim_may_differ=*/true); e.failure()) return e;
@@ -212,19 +207,7 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   return launch_status(run_fwd(dtype, p, KernelFamily(kernels), stream), "forward");
 }
 
-ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                    ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
-                    ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> seqlens, ffi::Buffer<ffi::S32> q_segments,
-                    ffi::Buffer<ffi::S32> kv_segments, ffi::Buffer<ffi::S32> q_chunks,
-                    ffi::Buffer<ffi::S32> kv_chunks, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
-                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                    ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
-                    ffi::Result<ffi::Buffer<ffi::F32>> delta, ffi::Result<ffi::Buffer<ffi::F32>> lse_log2,
-                    ffi::Result<ffi::Buffer<ffi::S32>> dq_turns, ffi::Result<ffi::Buffer<ffi::F32>> dbias,
-                    float scale, float softcap,
-                    int32_t window_left, int32_t window_right, int32_t diagonal_by_lengths, int32_t kernels,
-                    int32_t deterministic,
-                    int32_t smem_limit) {
+ffi::Error bwd_impl(JAX_FLASH_BWD_PARAMS) {
   BwdParams p{};
   DType dtype;
   if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p, -1, /*value_dim_may_differ=*/true); e.failure()) return e;
@@ -292,12 +275,7 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 // Decode: q [B, T, N, H] against a dense cache k, v [B, S, K, H] or, with a page table
 // [B, max_pages], a pool of pages [P, page_size, K, H]; the split scratch [splits, B, T, N, H] and
 // [splits, B, T, N] float32 (each empty with one split).
-ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> page_table,
-                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                       ffi::Result<ffi::Buffer<ffi::F32>> o_partial, ffi::Result<ffi::Buffer<ffi::F32>> lse_partial,
-                       float scale, float softcap, int32_t window_left, int32_t window_right,
-                       int32_t diagonal_by_lengths, int32_t splits) {
+ffi::Error decode_impl(JAX_FLASH_DECODE_PARAMS) {
   DecodeParams p{};
   DType dtype;
   const bool paged = page_table.element_count() > 0;
@@ -352,83 +330,13 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 }  // namespace
 }  // namespace jax_flash
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_fwd_handler, jax_flash::fwd_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seqlens [B, 2] or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q segment ids [B, T] or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv segment ids [B, S] or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q chunks [B, T / 64, 6] or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv chunks [B, S / 64, 6] or empty
-                                  .Arg<ffi::AnyBuffer>()  // bias, broadcastable to [B, N, T, S], or empty
-                                  .Arg<ffi::AnyBuffer>()  // boolean mask, broadcastable to [B, N, T, S], or empty
-                                  .Ret<ffi::AnyBuffer>()  // o
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse [B, N, T]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // tile scratch [FwdScratch::size_for(B, T, N)]
-                                  .Attr<float>("scale")
-                                  .Attr<float>("softcap")  // 0: none
-                                  .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right")
-                                  .Attr<int32_t>("diagonal_by_lengths")  // 1: FwdParams::diagonal_by_lengths
-                                  .Attr<int32_t>("kernels"),  // KernelFamily
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_fwd_handler, jax_flash::fwd_impl, JAX_FLASH_FWD_BIND,
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // o
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse [B, N, T]
-                                  .Arg<ffi::AnyBuffer>()  // dO
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // dlse [B, N, T], or [B, N, 0]: zero
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seqlens [B, 2] or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q segment ids [B, T] or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv segment ids [B, S] or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q chunks [B, T / 64, 6] or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv chunks [B, S / 64, 6] or empty
-                                  .Arg<ffi::AnyBuffer>()  // bias, broadcastable to [B, N, T, S], or empty
-                                  .Arg<ffi::AnyBuffer>()  // boolean mask, broadcastable to [B, N, T, S], or empty
-                                  .Ret<ffi::AnyBuffer>()  // dQ
-                                  .Ret<ffi::AnyBuffer>()  // dK
-                                  .Ret<ffi::AnyBuffer>()  // dV
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dQ accumulator scratch [B, T padded, N, H]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // delta scratch [B, N, T padded]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse_log2 scratch [B, N, T padded]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // dq_turns scratch [B, N, T padded / kDqCounterRows]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dbias, shaped like the bias, or empty
-                                  .Attr<float>("scale")
-                                  .Attr<float>("softcap")  // 0: none
-                                  .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right")
-                                  .Attr<int32_t>("diagonal_by_lengths")  // 1: FwdParams::diagonal_by_lengths
-                                  .Attr<int32_t>("kernels")  // KernelFamily
-                                  .Attr<int32_t>("deterministic")  // 1: dQ parts added in a fixed order
-                                  .Attr<int32_t>("smem_limit"),  // bytes a block may take (0: the GPU's)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl, JAX_FLASH_BWD_BIND,
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_decode_handler, jax_flash::decode_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k: cache [B, S, K, H] or pages [P, page_size, K, H]
-                                  .Arg<ffi::AnyBuffer>()  // v: as k
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv lengths [B, 1] or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // page table [B, max_pages], or empty: dense
-                                  .Ret<ffi::AnyBuffer>()  // o
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse [B, N, T]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // split outputs [splits, B, T, N, H] or empty
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // split lse [splits, B, T, N] or empty
-                                  .Attr<float>("scale")
-                                  .Attr<float>("softcap")  // 0: none
-                                  .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right")
-                                  .Attr<int32_t>("diagonal_by_lengths")  // 1: FwdParams::diagonal_by_lengths
-                                  .Attr<int32_t>("splits"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_decode_handler, jax_flash::decode_impl, JAX_FLASH_DECODE_BIND,
                               {ffi::Traits::kCmdBufferCompatible});
 
 namespace jax_flash {
