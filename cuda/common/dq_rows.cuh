@@ -1,6 +1,6 @@
 // The last kernel of the mma.sync backward: dQ [B, T, N, H] in T from the
 // float32 accumulator it adds into with atomics, the same layout. (The sm90 backward's
-// accumulator is tiled: sm90/dq_tiles.cuh.)
+// accumulator is tiled: sm90/bwd/dq_tiles.cuh.)
 #pragma once
 
 #include <cuda_runtime.h>

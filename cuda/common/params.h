@@ -22,7 +22,7 @@ using contract::MaskChunk;
 // none), kMasked reads sequence lengths and segment ids, kSoftcap is kMasked plus the soft cap.
 // kEverything reads everything: kMasked's masks, the soft cap when one is set, and an additive
 // bias and boolean mask over [B, N, T, S] (the sm90 forward in the pairs layout only, bias.cuh; the sm90
-// backward at d = 64 and 128 in layouts TMA copies, sm90/bwd_bias_tiles.cuh, at d = 256 in the
+// backward at d = 64 and 128 in layouts TMA copies, sm90/bwd/bias_tiles.cuh, at d = 256 in the
 // pairs layout, its soft cap in kernels of their own; the sm80 kernels always).
 // Separate instantiations keep the common calls' kernels free of the others' registers.
 enum class Variant { kPlain, kMasked, kSoftcap, kEverything };
@@ -97,7 +97,7 @@ struct BwdParams : FwdParams {
   void* dv;
   // float32 scratch of B * stats_stride * N * H elements owned by XLA (an extra output of the
   // call), zeroed by bwd_preprocess: [B, T, N, H] for the atomics of the sm80 kernels,
-  // 64 x 64 tiles for sm90/bwd_kernel.cuh (sm90/dq_tiles.cuh). A last kernel turns it into dq.
+  // 64 x 64 tiles for sm90/bwd_kernel.cuh (sm90/bwd/dq_tiles.cuh). A last kernel turns it into dq.
   // Unused (and not zeroed) at d = 192 and 256 on sm90, whose dQ kernel writes dq itself; not zeroed
   // either with dq_tickets.
   float* dq_accum;
@@ -112,9 +112,9 @@ struct BwdParams : FwdParams {
   // block in key-block order (bwd_walk.cuh). nullptr: in any order (faster, not bit-reproducible).
   int* dq_turns;
   // sm90/bwd_kernel.cuh outside deterministic mode, without segment ids (run_sm90.cuh): the same
-  // scratch as dQ turns, one ticket a query block (dq_tiles.cuh), zeroed by bwd_preprocess in
+  // scratch as dQ turns, one ticket a query block (sm90/bwd/dq_tiles.cuh), zeroed by bwd_preprocess in
   // place of the accumulator. The first CTA to take a block's ticket stores its
-  // dQ part, the others add theirs once it has landed (dq_tiles.cuh). `dq_counters` is that
+  // dQ part, the others add theirs once it has landed (sm90/bwd/dq_tiles.cuh). `dq_counters` is that
   // scratch, for the launcher to choose.
   int* dq_tickets;
   int* dq_counters;

@@ -10,7 +10,7 @@
 #include "launch/dispatch.h"
 #include "sm80/traits.cuh"
 #include "sm80/wide_fwd/config.cuh"
-#include "sm90/bwd_bias_tiles.cuh"
+#include "sm90/bwd/bias_tiles.cuh"
 
 namespace jax_flash {
 namespace {

@@ -18,7 +18,7 @@
 
 namespace jax_flash {
 
-// The tensor maps of the bias and mask tiles (sm90/bias_tiles.cuh), for the arrays the call has,
+// The tensor maps of the bias and mask tiles (sm90/common/bias_tiles.cuh), for the arrays the call has,
 // in boxes of `box_rows` rows; the launchers took only whole [T, S] rows, stored [B or 1, N or 1,
 // T, S].
 inline cudaError_t make_bias_tensor_maps(const FwdParams& p, int elem_bytes, int box_rows, CUtensorMap* bias,

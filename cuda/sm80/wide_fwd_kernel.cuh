@@ -28,7 +28,7 @@
 #include "common/split_rows.cuh"
 #include "common/tile.cuh"
 #include "sm80/wide_fwd/config.cuh"
-#include "sm90/fwd/softmax_rows.cuh"  // row operations on the accumulator layout, which mma.sync shares
+#include "common/softmax_rows.cuh"  // row operations on the accumulator layout, which mma.sync shares
 
 namespace jax_flash::sm80 {
 

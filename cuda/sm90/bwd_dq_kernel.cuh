@@ -35,10 +35,10 @@
 #include "sm90/bwd/dq_exchange.cuh"
 #include "sm90/bwd/dq_loads.cuh"
 #include "sm90/bwd/dq_shared_memory.cuh"
-#include "sm90/bwd_stages.cuh"
-#include "sm90/head_dim_product.cuh"
-#include "sm90/row_mask.cuh"
-#include "sm90/ignored_rows.cuh"
+#include "sm90/bwd/stages.cuh"
+#include "sm90/common/head_dim_product.cuh"
+#include "sm90/bwd/row_mask.cuh"
+#include "sm90/common/ignored_rows.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const uint64_t v_desc = ptx::smem_desc_sw128(sm.v(stage) + consumer_uniform * kHalfN * 128, 0);
     float s[kHalfN / 2], dp[kHalfN / 2];
     ptx::mbarrier_wait(sm.k_full(stage), phase);
-    if constexpr (kMasked) {  // K and V past this row's key length zeroed (sm90/ignored_rows.cuh)
+    if constexpr (kMasked) {  // K and V past this row's key length zeroed (sm90/common/ignored_rows.cuh)
       const int first_ignored = first_ignored_row<kBlockN>(band.seqlen_k, p.seqlen_k, key_block_first(j));
       if (first_ignored < kBlockN) {
         ptx::mbarrier_wait(sm.v_full(stage), phase);

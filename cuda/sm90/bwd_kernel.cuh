@@ -16,7 +16,7 @@
 // wgmma A operand, so dV and dK need no trip through shared memory; only dQ, whose rows are
 // queries, reads dS from there. dQ needs every key block's share: each consumer writes its fp32
 // part to shared memory in the order of its accumulator registers, and the producer's dQ thread
-// adds it to the fp32 accumulator in global memory, tiled in the same order (sm90/dq_tiles.cuh),
+// adds it to the fp32 accumulator in global memory, tiled in the same order (sm90/bwd/dq_tiles.cuh),
 // with one bulk reduce-add, so the consumers never wait for the adds. The two consumers split dQ
 // (kBlockM x H) into two parts, each over all 128 keys, so the dS of both must be in shared memory
 // (a barrier across the two): 64 x 64 at H = 128 by columns, at H = 64 (128-query steps) by rows;
@@ -29,7 +29,7 @@
 // The pieces, in sm90/bwd/: config.cuh (tile shapes and offsets), shared_memory.cuh (tiles and
 // barriers), products.cuh (the wgmma products), band_mask.cuh (S^T's mask), bias_grad.cuh
 // (dbias), dq_adder.cuh (the producer's dQ thread), epilogue.cuh (dK and dV out); the stage copies
-// are sm90/bwd_stages.cuh.
+// are sm90/bwd/stages.cuh.
 #pragma once
 
 #include <cuda.h>
@@ -59,10 +59,10 @@
 #include "sm90/bwd/shared_memory.cuh"
 #include "sm90/bwd/steps.cuh"
 #include "sm90/bwd/step_stats.cuh"
-#include "sm90/bwd_bias_tiles.cuh"
-#include "sm90/bwd_stages.cuh"
-#include "sm90/dq_tiles.cuh"
-#include "sm90/ignored_rows.cuh"
+#include "sm90/bwd/bias_tiles.cuh"
+#include "sm90/bwd/stages.cuh"
+#include "sm90/bwd/dq_tiles.cuh"
+#include "sm90/common/ignored_rows.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -106,8 +106,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   const int warp_group = threadIdx.x / 128;
   if (warp_group == 0) {
-    // Producer: one thread copies the stages (bwd_stages.cuh), another adds the dQ parts, and with
-    // a bias a third copies its tiles (bwd_bias_tiles.cuh).
+    // Producer: one thread copies the stages (bwd/stages.cuh), another adds the dQ parts, and with
+    // a bias a third copies its tiles (bwd/bias_tiles.cuh).
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     const BwdWalk walk = make_walk();
     if (threadIdx.x == 0 && walk.steps > 0) {
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int key0 = k_first + (kThreadIndexAhead ? consumer_uniform : consumer) * 64;
   // Accumulator element i of an m64nN tile of keys: row warp * 16 + accum.row(i), column
-  // accum.col(i). (dQ's tile leaves in register order, sm90/dq_tiles.cuh.)
+  // accum.col(i). (dQ's tile leaves in register order, sm90/bwd/dq_tiles.cuh.)
   const AccumulatorLayout accum{lane};
   // The byte offset of this thread's first statistics column, kept in a register (not with a cap,
   // where the register made H = 64 spill): rebuilt each step from the thread index, its S2R held
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kSRegs = kBlockM / 2;  // S^T, dP^T: 64 keys x kBlockM queries
 
   if (walk.steps > 0) ptx::mbarrier_wait(barriers.kv_full(), 0);
-  if constexpr (kMasked) {  // K and V past this row's key length zeroed (sm90/ignored_rows.cuh)
+  if constexpr (kMasked) {  // K and V past this row's key length zeroed (sm90/common/ignored_rows.cuh)
     const int first_ignored = first_ignored_row<kBlockN>(band.seqlen_k, p.seqlen_k, k_first);
     if (walk.steps > 0 && first_ignored < kBlockN) {
       zero_rows_from<Cfg::kPanels, kBlockN, kConsumerThreads>(sm.k(), first_ignored, threadIdx.x - 128);

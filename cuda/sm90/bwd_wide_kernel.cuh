@@ -39,9 +39,9 @@
 #include "sm90/bwd/wide_epilogue.cuh"
 #include "sm90/bwd/wide_products.cuh"
 #include "sm90/bwd/wide_shared_memory.cuh"
-#include "sm90/row_mask.cuh"
-#include "sm90/bwd_stages.cuh"
-#include "sm90/ignored_rows.cuh"
+#include "sm90/bwd/row_mask.cuh"
+#include "sm90/bwd/stages.cuh"
+#include "sm90/common/ignored_rows.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     float s_acc[16], dp_acc[16];
     if (walk.steps > 0) {
       ptx::mbarrier_wait(barriers.kv_full(), 0);
-      if constexpr (kMasked) {  // K and V past this row's key length zeroed (sm90/ignored_rows.cuh)
+      if constexpr (kMasked) {  // K and V past this row's key length zeroed (sm90/common/ignored_rows.cuh)
         const int first_ignored = first_ignored_row<kBlockN>(band.seqlen_k, p.seqlen_k, k_first);
         if (first_ignored < kBlockN) {
           zero_rows_from<Cfg::kPanels, kBlockN, kConsumerThreads>(sm.k(), first_ignored, threadIdx.x - 128);

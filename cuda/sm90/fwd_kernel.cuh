@@ -47,16 +47,16 @@
 #include "sm90/fwd/producer.cuh"
 #include "sm90/fwd/products.cuh"
 #include "sm90/fwd/shared_memory.cuh"
-#include "sm90/fwd/softmax_rows.cuh"
+#include "common/softmax_rows.cuh"
 #include "sm90/fwd/tiles.cuh"
 #include "sm90/fwd/turns.cuh"
-#include "sm90/fwd_bias_tiles.cuh"
+#include "sm90/fwd/bias_tiles.cuh"
 
 namespace jax_flash::sm90 {
 
 // kVariant (params.h): which of the masks (mask.cuh), the soft cap (logits.cuh) and the bias and
 // boolean mask (bias.cuh; the pairs layout only, launch/dispatch.cu; staged tiles with
-// Cfg::kBiasRegionBytes, fwd_bias_tiles.cuh) are read.
+// Cfg::kBiasRegionBytes, fwd/bias_tiles.cuh) are read.
 // p.tile_scratch (FwdScratch): zeroed before the first pass; CTA c starts with tile c, and claims
 // each next one as gridDim.x + (an increment of its pass's counter) once it has issued the
 // current tile's last copies.

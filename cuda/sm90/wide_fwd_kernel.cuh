@@ -26,9 +26,9 @@
 #include "common/ptx_sm90.cuh"
 #include "common/row_total.cuh"
 #include "common/split_rows.cuh"
-#include "sm90/fwd/softmax_rows.cuh"
-#include "sm90/head_dim_product.cuh"
-#include "sm90/ignored_rows.cuh"
+#include "common/softmax_rows.cuh"
+#include "sm90/common/head_dim_product.cuh"
+#include "sm90/common/ignored_rows.cuh"
 #include "sm90/wide_fwd/config.cuh"
 
 namespace jax_flash::sm90 {

@@ -3,8 +3,8 @@
 
 #include "common/params.h"
 #include "common/ptx_sm90.cuh"
-#include "sm90/bwd_bias_tiles.cuh"
-#include "sm90/dq_tiles.cuh"
+#include "sm90/bwd/bias_tiles.cuh"
+#include "sm90/bwd/dq_tiles.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -52,7 +52,7 @@ struct BwdConfig {
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
   static constexpr int kDsPanelBytes = (kDqTransposed ? kBlockM : kBlockN) * 128;
   static constexpr int kDsBuffers = kBias_ && kBlockM == 128 ? 1 : 2;
-  // A consumer's dQ part: one fp32 tile of the accumulator (sm90/dq_tiles.cuh).
+  // A consumer's dQ part: one fp32 tile of the accumulator (sm90/bwd/dq_tiles.cuh).
   static constexpr int kDqBytes = Dq::kFloats * 4;
   static constexpr int kDqBuffers = kBlockM == 64 && !kBias_ ? 2 : 1;  // per consumer, as shared memory allows
   using BiasTiles = BwdBiasTiles<kHeadDim>;

@@ -11,7 +11,7 @@
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
 #include "sm90/bwd/dq_shared_memory.cuh"
-#include "sm90/bwd_stages.cuh"
+#include "sm90/bwd/stages.cuh"
 
 namespace jax_flash::sm90 {
 

@@ -1,5 +1,5 @@
 // A Hopper backward consumer's dQ part of a step (its keys' share of dQ for the step's queries),
-// from registers to shared memory in the accumulator's tile order (sm90/dq_tiles.cuh), for the
+// from registers to shared memory in the accumulator's tile order (sm90/bwd/dq_tiles.cuh), for the
 // producer's dQ thread to add (dq_adder.cuh), once that thread has read the buffer's previous use.
 // Every argument by reference, as the kernel holds it (by value, the code changed).
 #pragma once

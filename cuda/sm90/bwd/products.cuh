@@ -6,7 +6,7 @@
 
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
-#include "sm90/head_dim_product.cuh"
+#include "sm90/common/head_dim_product.cuh"
 
 namespace jax_flash::sm90 {
 

@@ -15,7 +15,7 @@
 #include "common/ptx_sm90.cuh"
 #include "sm90/fwd/block_mask.cuh"
 #include "sm90/fwd/shared_memory.cuh"
-#include "sm90/fwd_bias_tiles.cuh"
+#include "sm90/fwd/bias_tiles.cuh"
 
 namespace jax_flash::sm90 {
 

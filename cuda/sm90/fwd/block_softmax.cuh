@@ -10,7 +10,7 @@
 #include "common/params.h"
 #include "sm90/fwd/block_logits.cuh"
 #include "sm90/fwd/block_mask.cuh"
-#include "sm90/fwd/softmax_rows.cuh"
+#include "common/softmax_rows.cuh"
 
 namespace jax_flash::sm90 {
 

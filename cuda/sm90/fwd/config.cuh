@@ -4,7 +4,7 @@
 #include <cuda.h>
 
 #include "common/ptx_sm90.cuh"
-#include "sm90/fwd_bias_tiles.cuh"
+#include "sm90/fwd/bias_tiles.cuh"
 
 namespace jax_flash::sm90 {
 

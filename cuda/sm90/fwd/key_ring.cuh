@@ -10,8 +10,8 @@
 #include "common/ptx_sm90.cuh"
 #include "sm90/fwd/products.cuh"
 #include "sm90/fwd/shared_memory.cuh"
-#include "sm90/head_dim_product.cuh"
-#include "sm90/ignored_rows.cuh"
+#include "sm90/common/head_dim_product.cuh"
+#include "sm90/common/ignored_rows.cuh"
 
 namespace jax_flash::sm90 {
 
@@ -55,7 +55,7 @@ struct FwdKeyRing {
     sm90::issue_pv<Cfg>(o, pa, shared.v(stage), shared.v_full(stage), phase_of(j));
   }
   // V_j's rows from `first_ignored` on set to 0 once V_j has landed, before P V_j reads them
-  // (sm90/ignored_rows.cuh). Each consumer writes the same zeros, so it syncs its own warp group
+  // (sm90/common/ignored_rows.cuh). Each consumer writes the same zeros, so it syncs its own warp group
   // alone (`barrier`, 128 threads).
   __device__ __forceinline__ void clear_v_rows(int j, int first_ignored, int barrier, int tid) const {
     const int stage = stage_of(j);

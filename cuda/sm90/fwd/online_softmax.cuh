@@ -7,7 +7,7 @@
 #include <cmath>
 
 #include "common/ptx.cuh"
-#include "sm90/fwd/softmax_rows.cuh"
+#include "common/softmax_rows.cuh"
 
 namespace jax_flash::sm90 {
 

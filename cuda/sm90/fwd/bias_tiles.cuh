@@ -9,7 +9,7 @@
 #include <type_traits>
 
 #include "common/ptx.cuh"
-#include "sm90/bias_tiles.cuh"
+#include "sm90/common/bias_tiles.cuh"
 
 namespace jax_flash::sm90 {
 

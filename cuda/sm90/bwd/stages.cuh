@@ -20,7 +20,7 @@ namespace jax_flash::sm90 {
 // kBlockN, dk and dv of 64 (a consumer's).
 struct BwdTensorMaps {
   CUtensorMap q, dout, k, v, dk, dv;
-  CUtensorMap bias, mask;  // kBias (sm90/bwd_bias_tiles.cuh)
+  CUtensorMap bias, mask;  // kBias (sm90/bwd/bias_tiles.cuh)
 };
 
 // The key block and (batch, kv head) of a backward CTA. The hardware starts CTAs in launch order

@@ -11,7 +11,7 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
-#include "sm90/bias_tiles.cuh"
+#include "sm90/common/bias_tiles.cuh"
 
 namespace jax_flash::sm90 {
 
