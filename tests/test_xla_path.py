@@ -5,6 +5,8 @@ dense formulation (dense_impl.py) that `implementation="xla"` takes where the sc
 Small blocks (16) make every blockwise test cross several query and key blocks and their tails.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,7 +72,7 @@ def check_against_reference(dtype, b, t, s, n, kv_heads, h, case, blocks=(16,)):
     ref = loss_and_grads(reference.attention, q, k, v, dict(kwargs), rng_for("grad", dtype, case))
     out_tol, grad_tol = TOL[dtype]
     for block in blocks:
-        ours = loss_and_grads(lambda *a, block=block, **kw: run_xla(*a, block=block, **kw), q, k, v, dict(kwargs),
+        ours = loss_and_grads(functools.partial(run_xla, block=block), q, k, v, dict(kwargs),
                               rng_for("grad", dtype, case))
         formulation = "dense" if block is DENSE else f"blocks of {block}"
         assert ours[0].dtype == dtype and ours[1].dtype == jnp.promote_types(dtype, jnp.float32), formulation
