@@ -27,6 +27,12 @@ def hopper_or_skip(kernel: str = "the forward above head dim 256"):
                     "forcing another family)")
 
 
+def _sm80_wide_forward_fits(h: int) -> bool:
+    """Whether the mma.sync forward at head dim h fits the GPU's (or JAX_FLASH_SMEM_LIMIT's) cap."""
+    padded = cuda_impl.kernel_head_dim(h, cuda_impl.SM80_WIDE_FWD_HEAD_DIMS)
+    return _ffi.extension().sm80_wide_forward_smem_bytes(padded) <= _ffi.smem_limit()
+
+
 MASKS = {
     "none": lambda b, t, s, rng: {},
     "causal": lambda b, t, s, rng: {"is_causal": True},
@@ -63,7 +69,12 @@ def test_forward(monkeypatch, family, dtype, h, mask):
     k, v = (jnp.asarray(rng.normal(size=(b, s, 2, h)), dtype) for _ in range(2))
     kw = MASKS[mask](b, t, s, rng)
     attend = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation="cuda", return_residual=True, **kw))
-    assert "jax_flash_fwd" in attend.lower(q, k, v).as_text()
+    if family == "sm80" and not _sm80_wide_forward_fits(h):  # under a shared-memory cap: refused, auto mode's
+        with pytest.raises(ValueError, match="bytes of shared memory a block"):
+            attend.lower(q, k, v)
+        attend = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, return_residual=True, **kw))
+    else:
+        assert "jax_flash_fwd" in attend.lower(q, k, v).as_text()
     poison_free_memory()
     out, lse = attend(q, k, v)
     xla_out, xla_lse = jax_flash.attention(q, k, v, implementation="xla", return_residual=True, **kw)
