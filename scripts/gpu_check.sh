@@ -26,6 +26,7 @@
 #                                           setting, -v so that it names what passed when the call's time
 #                                           runs out. TESTS and K narrow it; XLA's compiled programs are
 #                                           cached in build/jax_cache (the references compile once)
+#   JAX_FLASH_LINEINFO=1                    the build keeps source lines for the profile step's source view
 #   BENCH="--quick"                         arguments of python -m jax_flash.bench
 #   PROFILE="--head-dim 128" NCU_KERNEL=bwd_kernel   the profile step: ncu on one kernel of one
 #                                           shape (not part of all); NCU_NAME_BASE=demangled matches

@@ -3,3 +3,9 @@
 
 template cudaError_t jax_flash::run_bwd_sm80<__nv_bfloat16, 256, jax_flash::Variant::kPlain>(
     const jax_flash::BwdParams&, cudaStream_t);
+
+template cudaError_t jax_flash::run_bwd_sm80<__nv_bfloat16, 256, jax_flash::Variant::kMasked>(
+    const jax_flash::BwdParams&, cudaStream_t);
+
+template cudaError_t jax_flash::run_bwd_sm80<__nv_bfloat16, 256, jax_flash::Variant::kSoftcap>(
+    const jax_flash::BwdParams&, cudaStream_t);

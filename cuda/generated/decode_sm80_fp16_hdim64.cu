@@ -3,3 +3,6 @@
 
 template cudaError_t jax_flash::run_decode<__half, 64, jax_flash::Variant::kMasked>(
     const jax_flash::DecodeParams&, cudaStream_t);
+
+template cudaError_t jax_flash::run_decode<__half, 64, jax_flash::Variant::kSoftcap>(
+    const jax_flash::DecodeParams&, cudaStream_t);

@@ -4,285 +4,107 @@
 # Hopper runs its own kernels but for tests that force the mma.sync family).
 set(JAX_FLASH_HOPPER_SOURCES
   bwd_no_bias_sm90_bf16_hdim192.cu
-  bwd_no_bias_sm90_bf16_hdim192_masked.cu
-  bwd_no_bias_sm90_bf16_hdim192_softcap.cu
   bwd_no_bias_sm90_fp16_hdim192.cu
-  bwd_no_bias_sm90_fp16_hdim192_masked.cu
-  bwd_no_bias_sm90_fp16_hdim192_softcap.cu
   bwd_sm90_bf16_hdim128.cu
-  bwd_sm90_bf16_hdim128_bias.cu
-  bwd_sm90_bf16_hdim128_masked.cu
-  bwd_sm90_bf16_hdim128_softcap.cu
   bwd_sm90_bf16_hdim256.cu
-  bwd_sm90_bf16_hdim256_bias.cu
-  bwd_sm90_bf16_hdim256_masked.cu
-  bwd_sm90_bf16_hdim256_softcap.cu
   bwd_sm90_bf16_hdim64.cu
-  bwd_sm90_bf16_hdim64_bias.cu
-  bwd_sm90_bf16_hdim64_masked.cu
-  bwd_sm90_bf16_hdim64_softcap.cu
   bwd_sm90_fp16_hdim128.cu
-  bwd_sm90_fp16_hdim128_bias.cu
-  bwd_sm90_fp16_hdim128_masked.cu
-  bwd_sm90_fp16_hdim128_softcap.cu
   bwd_sm90_fp16_hdim256.cu
-  bwd_sm90_fp16_hdim256_bias.cu
-  bwd_sm90_fp16_hdim256_masked.cu
-  bwd_sm90_fp16_hdim256_softcap.cu
   bwd_sm90_fp16_hdim64.cu
-  bwd_sm90_fp16_hdim64_bias.cu
-  bwd_sm90_fp16_hdim64_masked.cu
-  bwd_sm90_fp16_hdim64_softcap.cu
   bwd_unequal_sm90_bf16_hdim192v128.cu
-  bwd_unequal_sm90_bf16_hdim192v128_masked.cu
-  bwd_unequal_sm90_bf16_hdim192v128_softcap.cu
   bwd_unequal_sm90_fp16_hdim192v128.cu
-  bwd_unequal_sm90_fp16_hdim192v128_masked.cu
-  bwd_unequal_sm90_fp16_hdim192v128_softcap.cu
   fwd_sm90_bf16_hdim128.cu
-  fwd_sm90_bf16_hdim128_bias.cu
-  fwd_sm90_bf16_hdim128_masked.cu
-  fwd_sm90_bf16_hdim128_softcap.cu
   fwd_sm90_bf16_hdim192.cu
-  fwd_sm90_bf16_hdim192_bias.cu
-  fwd_sm90_bf16_hdim192_masked.cu
-  fwd_sm90_bf16_hdim192_softcap.cu
   fwd_sm90_bf16_hdim256.cu
-  fwd_sm90_bf16_hdim256_bias.cu
-  fwd_sm90_bf16_hdim256_masked.cu
-  fwd_sm90_bf16_hdim256_softcap.cu
   fwd_sm90_bf16_hdim64.cu
-  fwd_sm90_bf16_hdim64_bias.cu
-  fwd_sm90_bf16_hdim64_masked.cu
-  fwd_sm90_bf16_hdim64_softcap.cu
   fwd_sm90_fp16_hdim128.cu
-  fwd_sm90_fp16_hdim128_bias.cu
-  fwd_sm90_fp16_hdim128_masked.cu
-  fwd_sm90_fp16_hdim128_softcap.cu
   fwd_sm90_fp16_hdim192.cu
-  fwd_sm90_fp16_hdim192_bias.cu
-  fwd_sm90_fp16_hdim192_masked.cu
-  fwd_sm90_fp16_hdim192_softcap.cu
   fwd_sm90_fp16_hdim256.cu
-  fwd_sm90_fp16_hdim256_bias.cu
-  fwd_sm90_fp16_hdim256_masked.cu
-  fwd_sm90_fp16_hdim256_softcap.cu
   fwd_sm90_fp16_hdim64.cu
-  fwd_sm90_fp16_hdim64_bias.cu
-  fwd_sm90_fp16_hdim64_masked.cu
-  fwd_sm90_fp16_hdim64_softcap.cu
   fwd_unequal_sm90_bf16_hdim192v128.cu
-  fwd_unequal_sm90_bf16_hdim192v128_masked.cu
-  fwd_unequal_sm90_bf16_hdim192v128_softcap.cu
   fwd_unequal_sm90_fp16_hdim192v128.cu
-  fwd_unequal_sm90_fp16_hdim192v128_masked.cu
-  fwd_unequal_sm90_fp16_hdim192v128_softcap.cu
   fwd_wide_sm90_bf16_hdim1024.cu
-  fwd_wide_sm90_bf16_hdim1024_masked.cu
-  fwd_wide_sm90_bf16_hdim1024_softcap.cu
   fwd_wide_sm90_bf16_hdim320.cu
-  fwd_wide_sm90_bf16_hdim320_masked.cu
-  fwd_wide_sm90_bf16_hdim320_softcap.cu
   fwd_wide_sm90_bf16_hdim384.cu
-  fwd_wide_sm90_bf16_hdim384_masked.cu
-  fwd_wide_sm90_bf16_hdim384_softcap.cu
   fwd_wide_sm90_bf16_hdim448.cu
-  fwd_wide_sm90_bf16_hdim448_masked.cu
-  fwd_wide_sm90_bf16_hdim448_softcap.cu
   fwd_wide_sm90_bf16_hdim512.cu
-  fwd_wide_sm90_bf16_hdim512_masked.cu
-  fwd_wide_sm90_bf16_hdim512_softcap.cu
   fwd_wide_sm90_bf16_hdim640.cu
-  fwd_wide_sm90_bf16_hdim640_masked.cu
-  fwd_wide_sm90_bf16_hdim640_softcap.cu
   fwd_wide_sm90_bf16_hdim768.cu
-  fwd_wide_sm90_bf16_hdim768_masked.cu
-  fwd_wide_sm90_bf16_hdim768_softcap.cu
   fwd_wide_sm90_bf16_hdim896.cu
-  fwd_wide_sm90_bf16_hdim896_masked.cu
-  fwd_wide_sm90_bf16_hdim896_softcap.cu
   fwd_wide_sm90_fp16_hdim1024.cu
-  fwd_wide_sm90_fp16_hdim1024_masked.cu
-  fwd_wide_sm90_fp16_hdim1024_softcap.cu
   fwd_wide_sm90_fp16_hdim320.cu
-  fwd_wide_sm90_fp16_hdim320_masked.cu
-  fwd_wide_sm90_fp16_hdim320_softcap.cu
   fwd_wide_sm90_fp16_hdim384.cu
-  fwd_wide_sm90_fp16_hdim384_masked.cu
-  fwd_wide_sm90_fp16_hdim384_softcap.cu
   fwd_wide_sm90_fp16_hdim448.cu
-  fwd_wide_sm90_fp16_hdim448_masked.cu
-  fwd_wide_sm90_fp16_hdim448_softcap.cu
   fwd_wide_sm90_fp16_hdim512.cu
-  fwd_wide_sm90_fp16_hdim512_masked.cu
-  fwd_wide_sm90_fp16_hdim512_softcap.cu
   fwd_wide_sm90_fp16_hdim640.cu
-  fwd_wide_sm90_fp16_hdim640_masked.cu
-  fwd_wide_sm90_fp16_hdim640_softcap.cu
   fwd_wide_sm90_fp16_hdim768.cu
-  fwd_wide_sm90_fp16_hdim768_masked.cu
-  fwd_wide_sm90_fp16_hdim768_softcap.cu
   fwd_wide_sm90_fp16_hdim896.cu
-  fwd_wide_sm90_fp16_hdim896_masked.cu
-  fwd_wide_sm90_fp16_hdim896_softcap.cu
 )
 set(JAX_FLASH_TURING_SOURCES
   bwd_sm75_fp16_hdim128.cu
-  bwd_sm75_fp16_hdim128_masked.cu
-  bwd_sm75_fp16_hdim128_softcap.cu
   bwd_sm75_fp16_hdim64.cu
-  bwd_sm75_fp16_hdim64_masked.cu
-  bwd_sm75_fp16_hdim64_softcap.cu
   bwd_sm75_fp16_hdim96.cu
-  bwd_sm75_fp16_hdim96_masked.cu
-  bwd_sm75_fp16_hdim96_softcap.cu
   fwd_sm75_fp16_hdim128.cu
-  fwd_sm75_fp16_hdim128_masked.cu
-  fwd_sm75_fp16_hdim128_softcap.cu
   fwd_sm75_fp16_hdim64.cu
-  fwd_sm75_fp16_hdim64_masked.cu
-  fwd_sm75_fp16_hdim64_softcap.cu
   fwd_sm75_fp16_hdim96.cu
-  fwd_sm75_fp16_hdim96_masked.cu
-  fwd_sm75_fp16_hdim96_softcap.cu
 )
 set(JAX_FLASH_MMA_SYNC_SOURCES
   bwd_sm80_bf16_hdim128_bias.cu
   bwd_sm80_bf16_hdim256_bias.cu
   bwd_sm80_bf16_hdim32.cu
-  bwd_sm80_bf16_hdim32_bias.cu
-  bwd_sm80_bf16_hdim32_masked.cu
-  bwd_sm80_bf16_hdim32_softcap.cu
   bwd_sm80_bf16_hdim64_bias.cu
   bwd_sm80_bf16_hdim96.cu
-  bwd_sm80_bf16_hdim96_bias.cu
-  bwd_sm80_bf16_hdim96_masked.cu
-  bwd_sm80_bf16_hdim96_softcap.cu
   bwd_sm80_fp16_hdim128_bias.cu
   bwd_sm80_fp16_hdim256_bias.cu
   bwd_sm80_fp16_hdim32.cu
-  bwd_sm80_fp16_hdim32_bias.cu
-  bwd_sm80_fp16_hdim32_masked.cu
-  bwd_sm80_fp16_hdim32_softcap.cu
   bwd_sm80_fp16_hdim64_bias.cu
   bwd_sm80_fp16_hdim96.cu
-  bwd_sm80_fp16_hdim96_bias.cu
-  bwd_sm80_fp16_hdim96_masked.cu
-  bwd_sm80_fp16_hdim96_softcap.cu
   decode_sm80_bf16_hdim128.cu
-  decode_sm80_bf16_hdim128_softcap.cu
   decode_sm80_bf16_hdim192.cu
-  decode_sm80_bf16_hdim192_softcap.cu
   decode_sm80_bf16_hdim256.cu
-  decode_sm80_bf16_hdim256_softcap.cu
   decode_sm80_bf16_hdim32.cu
-  decode_sm80_bf16_hdim32_softcap.cu
   decode_sm80_bf16_hdim64.cu
-  decode_sm80_bf16_hdim64_softcap.cu
   decode_sm80_bf16_hdim96.cu
-  decode_sm80_bf16_hdim96_softcap.cu
   decode_sm80_fp16_hdim128.cu
-  decode_sm80_fp16_hdim128_softcap.cu
   decode_sm80_fp16_hdim192.cu
-  decode_sm80_fp16_hdim192_softcap.cu
   decode_sm80_fp16_hdim256.cu
-  decode_sm80_fp16_hdim256_softcap.cu
   decode_sm80_fp16_hdim32.cu
-  decode_sm80_fp16_hdim32_softcap.cu
   decode_sm80_fp16_hdim64.cu
-  decode_sm80_fp16_hdim64_softcap.cu
   decode_sm80_fp16_hdim96.cu
-  decode_sm80_fp16_hdim96_softcap.cu
   fwd_sm80_bf16_hdim128_bias.cu
   fwd_sm80_bf16_hdim192_bias.cu
   fwd_sm80_bf16_hdim256_bias.cu
   fwd_sm80_bf16_hdim32.cu
-  fwd_sm80_bf16_hdim32_bias.cu
-  fwd_sm80_bf16_hdim32_masked.cu
-  fwd_sm80_bf16_hdim32_softcap.cu
   fwd_sm80_bf16_hdim64_bias.cu
   fwd_sm80_bf16_hdim96.cu
-  fwd_sm80_bf16_hdim96_bias.cu
-  fwd_sm80_bf16_hdim96_masked.cu
-  fwd_sm80_bf16_hdim96_softcap.cu
   fwd_sm80_fp16_hdim128_bias.cu
   fwd_sm80_fp16_hdim192_bias.cu
   fwd_sm80_fp16_hdim256_bias.cu
   fwd_sm80_fp16_hdim32.cu
-  fwd_sm80_fp16_hdim32_bias.cu
-  fwd_sm80_fp16_hdim32_masked.cu
-  fwd_sm80_fp16_hdim32_softcap.cu
   fwd_sm80_fp16_hdim64_bias.cu
   fwd_sm80_fp16_hdim96.cu
-  fwd_sm80_fp16_hdim96_bias.cu
-  fwd_sm80_fp16_hdim96_masked.cu
-  fwd_sm80_fp16_hdim96_softcap.cu
 )
 set(JAX_FLASH_MMA_SYNC_OFF_HOPPER_SOURCES
   bwd_sm80_bf16_hdim128.cu
-  bwd_sm80_bf16_hdim128_masked.cu
-  bwd_sm80_bf16_hdim128_softcap.cu
   bwd_sm80_bf16_hdim256.cu
-  bwd_sm80_bf16_hdim256_masked.cu
-  bwd_sm80_bf16_hdim256_softcap.cu
   bwd_sm80_bf16_hdim64.cu
-  bwd_sm80_bf16_hdim64_masked.cu
-  bwd_sm80_bf16_hdim64_softcap.cu
   bwd_sm80_fp16_hdim128.cu
-  bwd_sm80_fp16_hdim128_masked.cu
-  bwd_sm80_fp16_hdim128_softcap.cu
   bwd_sm80_fp16_hdim256.cu
-  bwd_sm80_fp16_hdim256_masked.cu
-  bwd_sm80_fp16_hdim256_softcap.cu
   bwd_sm80_fp16_hdim64.cu
-  bwd_sm80_fp16_hdim64_masked.cu
-  bwd_sm80_fp16_hdim64_softcap.cu
   fwd_sm80_bf16_hdim128.cu
-  fwd_sm80_bf16_hdim128_masked.cu
-  fwd_sm80_bf16_hdim128_softcap.cu
   fwd_sm80_bf16_hdim192.cu
-  fwd_sm80_bf16_hdim192_masked.cu
-  fwd_sm80_bf16_hdim192_softcap.cu
   fwd_sm80_bf16_hdim256.cu
-  fwd_sm80_bf16_hdim256_masked.cu
-  fwd_sm80_bf16_hdim256_softcap.cu
   fwd_sm80_bf16_hdim64.cu
-  fwd_sm80_bf16_hdim64_masked.cu
-  fwd_sm80_bf16_hdim64_softcap.cu
   fwd_sm80_fp16_hdim128.cu
-  fwd_sm80_fp16_hdim128_masked.cu
-  fwd_sm80_fp16_hdim128_softcap.cu
   fwd_sm80_fp16_hdim192.cu
-  fwd_sm80_fp16_hdim192_masked.cu
-  fwd_sm80_fp16_hdim192_softcap.cu
   fwd_sm80_fp16_hdim256.cu
-  fwd_sm80_fp16_hdim256_masked.cu
-  fwd_sm80_fp16_hdim256_softcap.cu
   fwd_sm80_fp16_hdim64.cu
-  fwd_sm80_fp16_hdim64_masked.cu
-  fwd_sm80_fp16_hdim64_softcap.cu
   fwd_wide_sm80_bf16_hdim320.cu
-  fwd_wide_sm80_bf16_hdim320_masked.cu
-  fwd_wide_sm80_bf16_hdim320_softcap.cu
   fwd_wide_sm80_bf16_hdim384.cu
-  fwd_wide_sm80_bf16_hdim384_masked.cu
-  fwd_wide_sm80_bf16_hdim384_softcap.cu
   fwd_wide_sm80_bf16_hdim448.cu
-  fwd_wide_sm80_bf16_hdim448_masked.cu
-  fwd_wide_sm80_bf16_hdim448_softcap.cu
   fwd_wide_sm80_bf16_hdim512.cu
-  fwd_wide_sm80_bf16_hdim512_masked.cu
-  fwd_wide_sm80_bf16_hdim512_softcap.cu
   fwd_wide_sm80_fp16_hdim320.cu
-  fwd_wide_sm80_fp16_hdim320_masked.cu
-  fwd_wide_sm80_fp16_hdim320_softcap.cu
   fwd_wide_sm80_fp16_hdim384.cu
-  fwd_wide_sm80_fp16_hdim384_masked.cu
-  fwd_wide_sm80_fp16_hdim384_softcap.cu
   fwd_wide_sm80_fp16_hdim448.cu
-  fwd_wide_sm80_fp16_hdim448_masked.cu
-  fwd_wide_sm80_fp16_hdim448_softcap.cu
   fwd_wide_sm80_fp16_hdim512.cu
-  fwd_wide_sm80_fp16_hdim512_masked.cu
-  fwd_wide_sm80_fp16_hdim512_softcap.cu
 )
