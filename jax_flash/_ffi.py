@@ -112,12 +112,6 @@ def _window_attrs(config) -> dict:
     )
 
 
-# Which kernels a call may use (read when a call is traced): "best" (the Hopper kernels on sm_90,
-# the Turing ones on sm_75, the mma.sync kernels elsewhere), "sm80" (the mma.sync kernels
-# everywhere, so that they stay tested on Hopper) or "sm75" (the Turing kernels, which the build
-# also compiles for Hopper to test them there).
-KERNELS_ENV = "JAX_FLASH_KERNELS"
-KERNEL_FAMILIES = {"best": 0, "sm80": 80, "sm75": 75}
 # The Turing family's targets in a module from before it named each family's: its own and Hopper's.
 UNNAMED_TURING_ARCHS = ("75", "90a")
 
@@ -132,20 +126,6 @@ def family_archs() -> dict[str, tuple[str, ...]]:
     built = built_archs()
     turing = tuple(a for a in built if a in UNNAMED_TURING_ARCHS)
     return {"hopper": built, "turing": turing, "mma_sync": built, "mma_sync_off_hopper": built}
-
-
-def kernel_family() -> int:
-    name = os.environ.get(KERNELS_ENV, "best")
-    if name not in KERNEL_FAMILIES:
-        raise ValueError(f"{KERNELS_ENV} must be one of {sorted(KERNEL_FAMILIES)}, got {name!r}")
-    return KERNEL_FAMILIES[name]
-
-
-def turing_kernels_run() -> bool:
-    """Whether calls take the Turing family (fp16, head dims 64-128, no bias): on a 7.x GPU, or
-    forced (JAX_FLASH_KERNELS=sm75)."""
-    family = kernel_family()
-    return family == KERNEL_FAMILIES["sm75"] or (family == KERNEL_FAMILIES["best"] and device_capability()[0] == 7)
 
 
 # Shared memory a block may opt in to, by compute capability (the CUDA programming guide); other
@@ -175,20 +155,6 @@ def smem_limit() -> int:
     """Bytes of shared memory a block may use on the default GPU, as the dispatch assumes."""
     fallback = min(limit for capability, limit in SMEM_OPTIN_BY_CAPABILITY.items() if capability >= (8, 0))
     return forced_smem_limit() or SMEM_OPTIN_BY_CAPABILITY.get(device_capability(), fallback)
-
-
-def backward_kernels_fit(head_dim: int) -> bool:
-    """Whether the backward kernels that run a (kernel) head dim on the default GPU fit its shared
-    memory: the Hopper ones on 9.0 (227 KB), unless JAX_FLASH_KERNELS=sm80; the mma.sync ones
-    wherever their smallest tiles' bytes a block (the compact ones, cuda/sm80/traits.cuh) are
-    within smem_limit(). Their launcher takes the largest tiles that fit. The Turing ones likewise."""
-    if turing_kernels_run():
-        return extension().sm75_backward_smem_bytes(head_dim) <= smem_limit()
-    hopper_dims = _contract.BWD_SM90_HEAD_DIMS + _contract.BWD_SM90_NO_BIAS_HEAD_DIMS
-    hopper = device_capability() == (9, 0) and kernel_family() == 0 and head_dim in hopper_dims
-    if hopper:
-        return True
-    return extension().sm80_backward_smem_bytes(head_dim) <= smem_limit()
 
 
 # Bit-reproducible gradients (read when a call is traced): "1" makes the backward kernels add their
@@ -256,12 +222,12 @@ def _fwd_scratch_size(batch: int, seqlen_q: int, heads: int) -> int:
     return _contract.FWD_SCRATCH_COUNTERS + 2 * tiles
 
 
-def forward(config, q, k, v, masks: KernelMasks, bias, mask):
+def forward(config, family: int, q, k, v, masks: KernelMasks, bias, mask):
     """(out [B, T, N, Hv], lse [B, N, T] float32) from the forward kernel (Hv: v's head dim), given
     the operands of `bias_operand` and `mask_operand`; under vmap, one call with the mapped axis
     folded into the batch or the heads (_batching.py)."""
     register_targets()
-    attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()))
+    attrs = dict(_window_attrs(config), family=np.int32(family))
 
     def run(q, k, v, bias, mask, *masks):
         def kernel(q, k, v, bias, mask, *masks):
@@ -320,13 +286,13 @@ def decode(config, q, k, v, kv_lengths, page_table):
     return _partition.vary_like(folded(q, k, v, kv_lengths, page_table), q, k, v)
 
 
-def backward(config, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, mask, want_dbias: bool):
+def backward(config, family: int, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, mask, want_dbias: bool):
     """(dq, dk, dv, dbias) from the backward kernels; lse and d_lse are [B, N, T] float32 (d_lse
     may be [B, N, 0]: zero, the lse unused); bias and mask as `forward` takes them. dbias (with
     `want_dbias`) is float32 in the bias's shape, summed over its broadcast axes; else an empty
     array. Under vmap, one call with the mapped axis folded into the batch."""
     register_targets()
-    attrs = dict(_window_attrs(config), kernels=np.int32(kernel_family()), deterministic=np.int32(deterministic()),
+    attrs = dict(_window_attrs(config), family=np.int32(family), deterministic=np.int32(deterministic()),
                  smem_limit=np.int32(forced_smem_limit()))
 
     def run(q, k, v, out, lse, d_out, d_lse, bias, mask, *masks):

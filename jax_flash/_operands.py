@@ -78,7 +78,7 @@ TARGETS = {
             "window_left",
             "window_right",
             "diagonal_by_lengths",
-            "kernels",
+            "family",
         ),
     ),
     "jax_flash_bwd": (
@@ -90,7 +90,7 @@ TARGETS = {
             "window_left",
             "window_right",
             "diagonal_by_lengths",
-            "kernels",
+            "family",
             "deterministic",
             "smem_limit",
         ),

@@ -17,13 +17,14 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _contract, _decode, _ffi, _tangent, dense_impl, xla_impl
+from jax_flash import _contract, _decode, _ffi, _plan, _tangent, dense_impl, xla_impl
+from jax_flash._plan import Family, kernel_head_dim
 from jax_flash._masks import KernelMasks, kernel_masks
 from jax_flash._validation import AttentionConfig, Call
 
 FWD_HEAD_DIMS = _contract.FWD_HEAD_DIMS
 BWD_HEAD_DIMS = _contract.BWD_HEAD_DIMS  # 192 runs the 256 kernels, zero-padded, but on Hopper:
-# head dims whose backward kernels run only there, without a bias or mask (backward_head_dims).
+# head dims whose backward kernels run only there, without a bias or mask (_plan.backward_head_dims).
 HOPPER_BWD_HEAD_DIMS = _contract.BWD_SM90_NO_BIAS_HEAD_DIMS
 # Above 256: the forward alone (Hopper's or the mma.sync one; no bias or mask); the gradients from
 # the xla path's backward. Above 512 Hopper's alone (pairs of CTAs that split the head dim).
@@ -54,12 +55,6 @@ def grid_fits(batch_heads: int) -> bool:
     return any(batch_heads % y == 0 for y in range(min(batch_heads, MAX_GRID_YZ), smallest_y - 1, -1))
 
 
-def kernel_head_dim(head_dim: int, kernel_dims: tuple[int, ...] = FWD_HEAD_DIMS) -> int | None:
-    """The smallest head dim with kernels (forward ones by default) that fits `head_dim` (zero
-    padding), or None."""
-    return next((d for d in kernel_dims if d >= head_dim), None)
-
-
 REINSTALL = ("reinstall jax_flash where a CUDA compiler can be had (a CUDA toolkit, or PyPI's, which "
              "`pip install \"jax[cuda13]\"` brings): `pip install --force-reinstall --no-deps jax_flash`, or "
              "`pip install -e .` in a checkout; `python -m jax_flash.info` says what is installed")
@@ -74,25 +69,15 @@ def install_reason() -> str | None:
     major, minor = _ffi.device_capability()
     if (major, minor) < MIN_KERNEL_CAPABILITY:
         return f"the kernels need compute capability 7.5 or newer (Turing and later); this GPU is {major}.{minor}"
-    archs = _family_archs()
+    family = _plan.family()
+    archs = _plan.family_archs(family)
     if not _ffi.has_machine_code((major, minor), archs):
-        kernels = "its Turing kernels have" if _ffi.turing_kernels_run() else "it has"
+        kernels = "its Turing kernels have" if family is Family.TURING else "it has"
         listed = f"sm_{', sm_'.join(archs)}" if archs else "no target"
         return (f"as installed, jax_flash's kernels cannot run here: {kernels} machine code for {listed}, none of "
                 f"which runs on this GPU ({major}.{minor}); reinstall with JAX_FLASH_CUDA_ARCHS=native or a list "
                 "with it")
     return None
-
-
-def _family_archs(turing: bool | None = None) -> tuple[str, ...]:
-    """The built targets that the kernel family in use (the Turing one where `turing`, by default
-    where the default device runs it) was compiled for (CMakeLists.txt): forced to the mma.sync
-    family, those of its files that Hopper GPUs otherwise leave to their own kernels."""
-    if _ffi.turing_kernels_run() if turing is None else turing:
-        return _ffi.family_archs()["turing"]
-    if _ffi.kernel_family() == _ffi.KERNEL_FAMILIES["sm80"]:
-        return _ffi.family_archs()["mma_sync_off_hopper"]
-    return _ffi.built_archs()
 
 
 @functools.cache
@@ -124,12 +109,11 @@ def family_name(capability: tuple[int, int]) -> str:
         return "none: installed without the CUDA extension"
     if capability < MIN_KERNEL_CAPABILITY:
         return "none: the kernels need compute capability 7.5 or newer"
-    family = _ffi.kernel_family()
-    turing = family == _ffi.KERNEL_FAMILIES["sm75"] or (family == _ffi.KERNEL_FAMILIES["best"] and capability[0] == 7)
-    archs = _family_archs(turing)
-    if turing:
+    family = _plan.family_of(capability, _ffi.built_archs())
+    archs = _plan.family_archs(family)
+    if family is Family.TURING:
         name = "Turing (mma.sync m16n8k8, fp16)"
-    elif _hopper_kernels_run(capability, archs):
+    elif family is Family.HOPPER:
         name = "Hopper (wgmma + TMA), with the mma.sync family for the rest"
     else:
         name = "mma.sync (sm_80 and later)"
@@ -150,17 +134,15 @@ def unsupported_reason(call: Call) -> str | None:
     warn_if_kernels_missing()
     if (reason := install_reason()) is not None:
         return reason
-    major, minor = _ffi.device_capability()
-    archs = _family_archs()
-    turing = _ffi.turing_kernels_run()
+    family = _plan.family()
     if call.query.dtype not in KERNEL_DTYPES:
         return f"the kernels take float16 or bfloat16, got {call.query.dtype}"
-    if turing and (reason := _turing_reason(call)):
+    if family is Family.TURING and (reason := _turing_reason(call)):
         return reason
     widest = _widest_head_dim(call)
     if kernel_head_dim(widest, FWD_HEAD_DIMS + WIDE_FWD_HEAD_DIMS) is None:
         return f"head dim {widest} is above the largest supported ({WIDE_FWD_HEAD_DIMS[-1]})"
-    if widest > FWD_HEAD_DIMS[-1] and (reason := _wide_reason(call, (major, minor), archs)):
+    if widest > FWD_HEAD_DIMS[-1] and (reason := _wide_reason(call, family)):
         return reason
     if call.config.scale <= 0:
         return "the kernels need scale > 0"
@@ -197,14 +179,14 @@ def _turing_reason(call: Call) -> str | None:
     return None
 
 
-def _wide_reason(call: Call, capability: tuple[int, int], archs: tuple[str, ...]) -> str | None:
+def _wide_reason(call: Call, family: Family) -> str | None:
     """Why the forward kernels above head dim 256 (Hopper's, or the mma.sync ones where their
     shared memory fits) cannot run `call`, or None."""
     widest = _widest_head_dim(call)
     if not _no_bias_or_2d_mask(call):
         return (f"head dim {widest} above {FWD_HEAD_DIMS[-1]} runs without a bias, or a mask that varies along "
                 "both queries and keys, in the kernels (a mask along one of them runs as segment ids)")
-    if _hopper_kernels_run(capability, archs):
+    if family is Family.HOPPER:
         return None
     padded = kernel_head_dim(widest, SM80_WIDE_FWD_HEAD_DIMS)
     if padded is None:
@@ -215,33 +197,6 @@ def _wide_reason(call: Call, capability: tuple[int, int], archs: tuple[str, ...]
         return (f"the mma.sync forward at head dim {padded} needs {need} bytes of shared memory a block; this GPU "
                 f"allows {limit} (the Hopper kernels have no such limit)")
     return None
-
-
-def _hopper_kernels_run(capability: tuple[int, int], archs: tuple[str, ...]) -> bool:
-    """Whether the Hopper-only kernels (the forward above 256 and of unequal head dims, the backward
-    at 192 and of unequal head dims) can run: a 9.0 GPU, sm_90a code built, and the kernel family
-    not forced to sm80."""
-    return capability == (9, 0) and "90a" in archs and _ffi.kernel_family() == _ffi.KERNEL_FAMILIES["best"]
-
-
-def backward_head_dims(head_dim: int, value_dim: int, bias_or_mask: bool) -> tuple[int, int] | None:
-    """The (query/key, value) head dims of the backward kernels that differentiate a forward
-    kernel's `head_dim` and `value_dim` (value_dim <= head_dim), each zero-padded up to them, or
-    None above them. Where the Hopper kernels run a call with no bias or 2-d mask (`bias_or_mask`
-    False): also the head dims of HOPPER_BWD_HEAD_DIMS (192) and the pairs of UNEQUAL_BWD_HEAD_DIMS;
-    elsewhere BWD_HEAD_DIMS' (192 takes 256), V padded to the same."""
-    if _ffi.turing_kernels_run():
-        padded = kernel_head_dim(head_dim, TURING_HEAD_DIMS)
-        return None if padded is None else (padded, padded)
-    dims = BWD_HEAD_DIMS
-    hopper = not bias_or_mask and _hopper_kernels_run(_ffi.device_capability(), _ffi.built_archs())
-    if hopper:
-        dims = tuple(sorted(BWD_HEAD_DIMS + HOPPER_BWD_HEAD_DIMS))
-    padded = kernel_head_dim(head_dim, dims)
-    if padded is None:
-        return None
-    pair = (padded, kernel_head_dim(value_dim, BWD_HEAD_DIMS))
-    return pair if hopper and pair in UNEQUAL_BWD_HEAD_DIMS else (padded, padded)
 
 
 def _no_bias_or_2d_mask(call: Call) -> bool:
@@ -257,7 +212,7 @@ def paged_reason(call: Call, page_size: int) -> str | None:
     if reason is not None:
         return reason
     b, t, n, h = call.query.shape
-    if _ffi.turing_kernels_run():
+    if _plan.family() is Family.TURING:
         return "the decode kernels run from sm_80 on (Turing gathers the pages and takes its forward kernels)"
     if not _decode.takes(b, t, n, call.key.shape[2], masks_beyond_key_lengths=False):
         return f"the decode kernels take at most {_decode.MAX_QUERIES} queries (and grids within CUDA's limits)"
@@ -284,34 +239,16 @@ def _widest_head_dim(call: Call) -> int:
 
 
 def forward_head_dims(call: Call) -> tuple[int, int]:
-    """The (query/key, value) head dims of the forward kernel that runs `call`, each side
-    zero-padded up to them: a pair with a kernel of its own (UNEQUAL_FWD_HEAD_DIMS) where the
-    Hopper kernels run and the call has no bias and no mask over both axes, and is no decode call
-    (the decode kernels, at the wider dim, read the cache faster), else the widest's kernel for both."""
-    h, hv = call.query.shape[-1], call.value.shape[-1]
-    if _ffi.turing_kernels_run():
-        padded = kernel_head_dim(_widest_head_dim(call), TURING_HEAD_DIMS)
-        return padded, padded
-    widest = kernel_head_dim(_widest_head_dim(call), FWD_HEAD_DIMS + WIDE_FWD_HEAD_DIMS)
-    if hv < h:
-        pair = (kernel_head_dim(h), kernel_head_dim(hv))
-        hopper = _hopper_kernels_run(_ffi.device_capability(), _ffi.built_archs())
-        masks = (call.bias, call.mask, call.query_seq_lengths, call.q_segment_ids)
-        beyond_key_lengths = any(x is not None for x in masks)
-        decode = _runs_decode(call.query.shape[:3] + (widest,), call.key.shape[2], widest, beyond_key_lengths)
-        if pair in UNEQUAL_FWD_HEAD_DIMS and hopper and _no_bias_or_2d_mask(call) and not decode:
-            return pair
-    return widest, widest
-
-
-def _runs_decode(query_shape: tuple, kv_heads: int, value_dim: int, beyond_key_lengths: bool) -> bool:
-    """Whether a call of these (padded) shapes runs on the decode kernels: equal head dims with
-    decode kernels, and a shape and masks that `_decode.takes`."""
-    b, t, n, h = query_shape
-    if _ffi.turing_kernels_run():  # no decode kernels there (mma.sync m16n8k16): the forward's
-        return False
-    decode_dims = h in _contract.DECODE_HEAD_DIMS and value_dim == h
-    return decode_dims and _decode.takes(b, t, n, kv_heads, masks_beyond_key_lengths=beyond_key_lengths)
+    """The (query/key, value) head dims of the forward kernel that runs `call` (_plan's rule): a
+    pair of its own only without a bias or 2-d mask and off the decode kernels (which, at the wider
+    dim, read the cache faster)."""
+    family, widest = _plan.family(), _widest_head_dim(call)
+    padded = kernel_head_dim(widest, FWD_HEAD_DIMS + WIDE_FWD_HEAD_DIMS)
+    masks = (call.bias, call.mask, call.query_seq_lengths, call.q_segment_ids)
+    beyond_key_lengths = any(x is not None for x in masks)
+    decode = _plan.runs_decode(family, call.query.shape[:3] + (padded,), call.key.shape[2], padded, beyond_key_lengths)
+    own_pair = _no_bias_or_2d_mask(call) and not decode
+    return _plan.forward_head_dims(family, call.query.shape[-1], call.value.shape[-1], own_pair)
 
 
 def _pad_head_dim(x, size: int):
@@ -368,7 +305,7 @@ def _kernel_masks(q, k, q_len, kv_len, q_seg, kv_seg) -> KernelMasks:
 def attention(call: Call, strict: bool = False) -> tuple[jax.Array, jax.Array]:
     """(output [B, T, N, H], lse [B, T, N] float32) from the CUDA kernels. Its gradient comes from
     the backward kernels, or where this GPU's shared memory is too small for them
-    (`_ffi.backward_kernels_fit`) from the xla path's backward; `strict` (implementation="cuda")
+    (`_plan.backward_kernels_fit`) from the xla path's backward; `strict` (implementation="cuda")
     raises a ValueError there instead."""
     head_dim, value_dim = forward_head_dims(call)
     call = mask_as_segments(call)
@@ -385,7 +322,8 @@ def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, 
     if kernel_head_dim(_widest_head_dim(call), BWD_HEAD_DIMS) is None:  # above 256: no backward kernels
         return _xla_backward(call, out, lse, d_out, d_lse)[:3]
     call = mask_as_segments(call)
-    padded = kernel_head_dim(_widest_head_dim(call), TURING_HEAD_DIMS if _ffi.turing_kernels_run() else FWD_HEAD_DIMS)
+    turing = _plan.family() is Family.TURING
+    padded = kernel_head_dim(_widest_head_dim(call), TURING_HEAD_DIMS if turing else FWD_HEAD_DIMS)
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))
     masks = _mask_arrays(call)
     dq, dk, dv, _ = _gradients(call.config, False, q, k, v, *_bias_arrays(call), False, out, lse.transpose(0, 2, 1),
@@ -406,11 +344,12 @@ def _forward(config: AttentionConfig, q, k, v, bias, mask, masks):
     b = q.shape[0]
     q_len, kv_len, q_seg, _ = masks
     beyond_key_lengths = bias.size > 0 or mask.size > 0 or q_len is not None or q_seg is not None
-    if _runs_decode(q.shape, k.shape[2], v.shape[-1], beyond_key_lengths):
+    family = _plan.family()
+    if _plan.runs_decode(family, q.shape, k.shape[2], v.shape[-1], beyond_key_lengths):
         kv_lengths = jnp.zeros((b, 0), jnp.int32) if kv_len is None else kv_len.astype(jnp.int32)[:, None]
         no_pages = jnp.zeros((b, 0), jnp.int32)
         return *_ffi.decode(config, q, k, v, kv_lengths, no_pages), kernel
-    return *_ffi.forward(config, q, k, v, kernel, bias, mask), kernel
+    return *_ffi.forward(config, family, q, k, v, kernel, bias, mask), kernel
 
 
 DIFFERENTIABLE = (0, 1, 2, 3)  # q, k, v and the bias, of _flash's arrays
@@ -465,9 +404,10 @@ def _gradients(config: AttentionConfig, strict: bool, q, k, v, bias, mask, want_
     # no logit and get zero gradients. A narrower V (from its own forward kernel: 192 / 128) has a
     # backward of its own too, or is padded to the query head dim's kernels.
     head_dim, dims = q.shape[-1], (q.shape[-1], k.shape[-1], v.shape[-1])
-    kernel_dims = backward_head_dims(head_dim, v.shape[-1], bias_or_mask=bool(bias.size or mask.size))
+    family = _plan.family()
+    kernel_dims = _plan.backward_head_dims(family, head_dim, v.shape[-1], bias_or_mask=bool(bias.size or mask.size))
     padded, padded_value = kernel_dims or (None, None)
-    if padded is None or not _ffi.backward_kernels_fit(padded):
+    if padded is None or not _plan.backward_kernels_fit(family, padded):
         if strict and padded is None:
             raise ValueError(
                 f"implementation='cuda' cannot differentiate this call: no backward kernels above head dim "
@@ -484,7 +424,7 @@ def _gradients(config: AttentionConfig, strict: bool, q, k, v, bias, mask, want_
     d_lse = jnp.zeros((b, n, 0), jnp.float32) if d_lse is None else d_lse
     q, k = (_pad_head_dim(x, padded) for x in (q, k))
     v, out, d_out = (_pad_head_dim(x, padded_value) for x in (v, out, d_out))
-    *grads, dbias = _ffi.backward(config, q, k, v, out, lse, d_out, d_lse, kernel, bias, mask, want_dbias)
+    *grads, dbias = _ffi.backward(config, family, q, k, v, out, lse, d_out, d_lse, kernel, bias, mask, want_dbias)
     dbias = dbias.astype(bias.dtype) if want_dbias else None
     return tuple(g[..., :dim] for g, dim in zip(grads, dims, strict=True)) + (dbias,)
 

@@ -33,7 +33,7 @@ CUSTOM_CALLS = {
                  *_MASKS],
         "results": [("o", "any", "[B, T, N, Hv]"), ("lse", "f32", "[B, N, T]"),
                     ("tile_scratch", "s32", "[FwdScratch::size_for(B, T, N)]")],
-        "attrs": [*_WINDOW_ATTRS, ("kernels", "i32", "KernelFamily")],
+        "attrs": [*_WINDOW_ATTRS, ("family", "i32", "KernelFamily: the plan's, jax_flash/_plan.py")],
     },
     "bwd": {
         "args": [("q", "any", ""), ("k", "any", ""), ("v", "any", ""), ("o", "any", ""),
@@ -44,7 +44,7 @@ CUSTOM_CALLS = {
                     ("lse_log2", "f32", "scratch [B, N, T padded]"),
                     ("dq_turns", "s32", "scratch [B, N, T padded / kDqCounterRows]"),
                     ("dbias", "f32", "shaped like the bias, or empty")],
-        "attrs": [*_WINDOW_ATTRS, ("kernels", "i32", "KernelFamily"),
+        "attrs": [*_WINDOW_ATTRS, ("family", "i32", "KernelFamily: the plan's, jax_flash/_plan.py"),
                   ("deterministic", "i32", "1: dQ parts added in a fixed order"),
                   ("smem_limit", "i32", "bytes a block may take (0: the GPU's)")],
     },

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _ffi, cuda_impl
+from jax_flash import _ffi, _plan, cuda_impl
 from jax_flash._validation import validate
 from tests import reference
 from tests.cases import qkv, rng_for
@@ -126,19 +126,19 @@ def test_bad_dtypes():
         jax_flash.attention("q", k, v)
 
 
-@pytest.mark.parametrize("value,family", [(None, 0), ("best", 0), ("sm80", 80), ("sm75", 75)])
-def test_kernel_family_from_the_environment(monkeypatch, value, family):
+@pytest.mark.parametrize("value,forced", [(None, None), ("best", None), ("sm80", 80), ("sm75", 75)])
+def test_kernel_family_from_the_environment(monkeypatch, value, forced):
     if value is None:
-        monkeypatch.delenv(_ffi.KERNELS_ENV, raising=False)
+        monkeypatch.delenv(_plan.KERNELS_ENV, raising=False)
     else:
-        monkeypatch.setenv(_ffi.KERNELS_ENV, value)
-    assert _ffi.kernel_family() == family
+        monkeypatch.setenv(_plan.KERNELS_ENV, value)
+    assert _plan.forced_family() == forced
 
 
 def test_unknown_kernel_family_names_the_variable(monkeypatch):
-    monkeypatch.setenv(_ffi.KERNELS_ENV, "sm90")
+    monkeypatch.setenv(_plan.KERNELS_ENV, "sm90")
     with pytest.raises(ValueError, match="JAX_FLASH_KERNELS must be one of"):
-        _ffi.kernel_family()
+        _plan.forced_family()
 
 
 @pytest.mark.parametrize("value,expected", [(None, False), ("0", False), ("1", True)])

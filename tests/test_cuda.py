@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _ffi
+from jax_flash import _ffi, _plan
 from tests import reference
 from tests.cases import qkv, rng_for
 
@@ -72,7 +72,7 @@ def run(implementation, q, k, v, g_out, **kw):
         # The grid run with the Turing family forced (JAX_FLASH_KERNELS=sm75, as on a T4): a call it
         # does not take (bfloat16, a bias, head dims above 128) must say so with implementation="cuda",
         # and auto mode's results (cuDNN or the xla path) are checked instead.
-        if implementation != "cuda" or os.environ.get(_ffi.KERNELS_ENV) != "sm75" or "on Turing" not in str(e):
+        if implementation != "cuda" or os.environ.get(_plan.KERNELS_ENV) != "sm75" or "on Turing" not in str(e):
             raise
         return run(None, q, k, v, g_out, **kw)
     poison_free_memory()
@@ -84,7 +84,7 @@ def families_for(dtype, h, **kw) -> tuple[str, ...]:
     the Turing ones where they take the call: float16 at head dims up to 128, no bias or mask. Or,
     where JAX_FLASH_KERNELS is set for the whole run, that family alone: the grid run as another
     GPU (sm80 under a shared-memory cap, JAX_FLASH_SMEM_LIMIT; or sm75, as on a T4)."""
-    if forced := os.environ.get(_ffi.KERNELS_ENV):
+    if forced := os.environ.get(_plan.KERNELS_ENV):
         return (forced,)
     return ("best", "sm80") + (("sm75",) if turing_takes(dtype, h, **kw) else ())
 
@@ -96,7 +96,7 @@ def turing_takes(dtype, h, **kw) -> bool:
 
 def forced_family() -> str:
     """The family the whole run forces (JAX_FLASH_KERNELS: the grid run as another GPU), else "best"."""
-    return os.environ.get(_ffi.KERNELS_ENV) or "best"
+    return os.environ.get(_plan.KERNELS_ENV) or "best"
 
 
 def turing_dtype(family: str, dtype=jnp.bfloat16):
@@ -106,7 +106,7 @@ def turing_dtype(family: str, dtype=jnp.bfloat16):
 
 # The dtype of the tests that call the kernels directly: bfloat16, or float16 where the whole run is
 # the Turing family's (JAX_FLASH_KERNELS=sm75), which takes no bfloat16.
-KERNEL_DTYPE = turing_dtype(os.environ.get(_ffi.KERNELS_ENV, ""))
+KERNEL_DTYPE = turing_dtype(os.environ.get(_plan.KERNELS_ENV, ""))
 
 
 def check(dtype, b, t, s, n, kv_heads, h, key_growth=1.0, families=None, **kw):
@@ -115,7 +115,7 @@ def check(dtype, b, t, s, n, kv_heads, h, key_growth=1.0, families=None, **kw):
     scaled by 1, the last by it, linearly in between (the sm90 forward visits the keys first to
     last, so each key block raises the rows' maxima)."""
     # The grid run as a T4 (JAX_FLASH_KERNELS=sm75): its kernels in float16 on the same shapes.
-    dtype = turing_dtype(os.environ.get(_ffi.KERNELS_ENV, ""), dtype)
+    dtype = turing_dtype(os.environ.get(_plan.KERNELS_ENV, ""), dtype)
     rng = rng_for("cuda", dtype, b, t, s, n, kv_heads, h, key_growth, tuple(sorted(kw.items())))
     q, k, v = qkv(rng, dtype, b, t, s, n, kv_heads, h)
     if key_growth != 1.0:
@@ -133,7 +133,7 @@ def check(dtype, b, t, s, n, kv_heads, h, key_growth=1.0, families=None, **kw):
     families = families or families_for(dtype, h, **kw)
     for family in families:
         with pytest.MonkeyPatch.context() as env:  # traces inside use these kernels
-            env.setenv(_ffi.KERNELS_ENV, family)
+            env.setenv(_plan.KERNELS_ENV, family)
             ours = results[family] = run("cuda", q, k, v, g_out, **kw)
         checks = [("out", FWD_TOL, ours[0], xla[0], ref_out), ("lse", 1e-4, ours[1], xla[1], ref_lse)]
         checks += [(f"d{name}", GRAD_TOL, g, gx, gr) for name, g, gx, gr in zip("qkv", ours[2], xla[2], ref_grads)]
@@ -171,7 +171,7 @@ def test_wgmma_backward_at_192_and_256_with_bands(dtype, h, kw):
 def test_gradients_through_the_lse(monkeypatch, family, h):
     """A loss of the output and of the returned lse: the lse's cotangent enters the backward
     (delta = rowsum(dO * O) - dlse); without it the kernels read none (an empty operand)."""
-    monkeypatch.setenv(_ffi.KERNELS_ENV, family)
+    monkeypatch.setenv(_plan.KERNELS_ENV, family)
     rng = rng_for("lse-cotangent", family, h)
     q, k, v = qkv(rng, turing_dtype(family), 2, 200, 300, 4, 2, h)
     g_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
@@ -265,7 +265,7 @@ def test_deterministic_mode_gives_identical_gradients(monkeypatch, family, h, kw
     """JAX_FLASH_DETERMINISTIC=1: five backward runs are bit-identical (GQA, tails, bands whose
     key blocks start at different query blocks) and still match the float64 reference. The
     Turing family's 32-query steps take one turn counter each (contract: DQ_COUNTER_ROWS)."""
-    monkeypatch.setenv(_ffi.KERNELS_ENV, family)
+    monkeypatch.setenv(_plan.KERNELS_ENV, family)
     monkeypatch.setenv(_ffi.DETERMINISTIC_ENV, "1")
     rng = rng_for("deterministic", family, h, tuple(sorted(kw.items())))
     q, k, v = qkv(rng, turing_dtype(family), 2, 1500, 1300, 8, 2, h)

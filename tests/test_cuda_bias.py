@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _ffi
+from jax_flash import _ffi, _plan
 from tests import reference
 from tests.cases import qkv, rng_for
 from tests.test_cuda import (
@@ -59,7 +59,7 @@ def check_with_bias(dtype, b, t, s, n, kv_heads, h, bias, **kw):
     # is no real GPU.
     for family in (f for f in families_for(dtype, h, bias=bias, **kw) if f != "sm75"):
         with pytest.MonkeyPatch.context() as env:
-            env.setenv(_ffi.KERNELS_ENV, family)
+            env.setenv(_plan.KERNELS_ENV, family)
             mine = _bias_grad("cuda", q, k, v, g_out, bias, **kw)
         assert mine.shape == bias.shape and mine.dtype == bias.dtype
         err, xla_err = reference.rel_error(mine, ref), reference.rel_error(xla, ref)

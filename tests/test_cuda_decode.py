@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _decode, _ffi
+from jax_flash import _decode, _plan
 from tests import reference
 from tests.cases import qkv, rng_for
 from tests.test_cuda import poison_free_memory
@@ -28,7 +28,7 @@ TOL = 1e-2  # bf16/fp16 relative error against float64
 def decode_kernels_or_skip():
     """The Turing family has no decode kernels: its forward runs decode shapes (test_lengths of
     tests/test_cuda.py in a grid run forced to it, and tests/test_turing_dispatch.py the choice)."""
-    if _ffi.turing_kernels_run():
+    if _plan.family() is _plan.Family.TURING:
         pytest.skip("the Turing kernels (on sm_75, or forced with JAX_FLASH_KERNELS=sm75) have no decode kernels")
 
 

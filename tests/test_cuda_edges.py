@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _ffi
+from jax_flash import _ffi, _plan
 from tests import reference
 from tests.cases import rng_for
 from tests.test_cuda import FWD_TOL, GRAD_TOL, check, poison_free_memory
@@ -54,7 +54,7 @@ def _reference(q, k, v, g_out, **kw):
 def test_batch_times_heads_above_the_grid_y_limit(monkeypatch, family, n, kv_heads):
     """B = 4,375 x 16 heads (and kv heads) = 70,000, or x 32 query heads over 4 kv heads: above
     gridDim.y's 65,535 (the launchers split it into y x z), forward and backward, T = 64."""
-    monkeypatch.setenv(_ffi.KERNELS_ENV, family)
+    monkeypatch.setenv(_plan.KERNELS_ENV, family)
     b, t, h = 4375, 64, 64
     q, k, v, g_out = _random_on_device(rng_for("grid-y", n, kv_heads), (b, t, n, h), (b, t, kv_heads, h))
     out, lse, grads = _forward_and_gradients(q, k, v, g_out, is_causal=True)
@@ -83,7 +83,7 @@ def test_tensors_above_2_to_the_31_elements(monkeypatch, family):
     head gives their dK and dV exactly. No poisoned memory here: the values are checked, and with
     it (and with float64 enabled, as conftest.py does) XLA's GPU compiler crashed on this forward
     (a segmentation fault, jaxlib 0.11.2, 2026-11-27), which the same program alone did not."""
-    monkeypatch.setenv(_ffi.KERNELS_ENV, family)
+    monkeypatch.setenv(_plan.KERNELS_ENV, family)
     t, n, h, tail = 139264, 128, 128, 128
     with jax.enable_x64(False):
         q, k, v, _ = _random_on_device(rng_for("2^31", family), (1, t, n, h), (1, t, n, h))
@@ -147,7 +147,7 @@ def test_the_xla_path_on_the_gpu_with_a_side_of_one(dtype, t, s, h):
                                               ((2, 8, 4, 64), (2, 0, 2, 64))], ids=["B=0", "T=0", "S=0"])  # fmt: skip
 def test_empty_inputs(monkeypatch, family, q_shape, kv_shape):
     """As jax.nn: an empty output, or with no keys zeros and lse -inf; zero gradients, no NaN."""
-    monkeypatch.setenv(_ffi.KERNELS_ENV, family)
+    monkeypatch.setenv(_plan.KERNELS_ENV, family)
     rng = rng_for("cuda-empty", q_shape, kv_shape)
     q = jnp.asarray(rng.normal(size=q_shape), jnp.bfloat16)
     k, v = (jnp.asarray(rng.normal(size=kv_shape), jnp.bfloat16) for _ in range(2))
@@ -192,7 +192,7 @@ def test_a_gpu_with_less_shared_memory(monkeypatch, limit, h, kernels, variant):
     auto mode takes the xla path's backward. GQA, every kernel variant, T = 300 (several query
     blocks a key block, in one stage's turns), gradients (the bias's too) against the float64
     reference."""
-    monkeypatch.setenv(_ffi.KERNELS_ENV, "sm80")
+    monkeypatch.setenv(_plan.KERNELS_ENV, "sm80")
     monkeypatch.setenv(_ffi.SMEM_LIMIT_ENV, str(limit))
     rng = rng_for("cuda-smem-limit", limit, h, variant)
     b, t, n = 2, 300, 4

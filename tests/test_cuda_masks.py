@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _ffi
+from jax_flash import _plan
 from tests import reference
 from tests.cases import qkv, rng_for
 from tests.test_cuda import _custom_call_targets, check, turing_dtype
@@ -118,7 +118,7 @@ def test_auto_mode_runs_lengths_and_segments_on_the_kernels():
 def test_padded_rows_are_zero_with_zero_gradients(monkeypatch, family):
     """Rows past a query length: output exactly 0, lse -inf, dQ exactly 0; keys past a key length
     get dK = dV = 0."""
-    monkeypatch.setenv(_ffi.KERNELS_ENV, family)
+    monkeypatch.setenv(_plan.KERNELS_ENV, family)
     q, k, v = qkv(rng_for("padded_rows", family), turing_dtype(family), 2, 300, 400, 2, 2, 128)
     kw = dict(query_seq_lengths=jnp.asarray([300, 120], jnp.int32),
               key_value_seq_lengths=jnp.asarray([50, 400], jnp.int32), implementation="cuda")

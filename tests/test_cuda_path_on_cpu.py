@@ -11,7 +11,7 @@ import pytest
 from jaxlib import xla_client
 
 import jax_flash
-from jax_flash import _contract, _decode, _ffi, dense_impl
+from jax_flash import _contract, _decode, _ffi, _plan, dense_impl
 from tests import fake_kernels, reference
 from tests.cases import CASES, qkv, rng_for
 
@@ -101,7 +101,7 @@ def test_head_dim_without_kernels_pads_up(kernel_calls, monkeypatch, case, backw
     if case == "bias":
         kw["bias"] = jnp.asarray(rng.normal(size=(1, 2, 24, 24)), jnp.float32)
     if case == "sm80 kernels":
-        monkeypatch.setenv(_ffi.KERNELS_ENV, "sm80")
+        monkeypatch.setenv(_plan.KERNELS_ENV, "sm80")
     args = (q, k, v, kw["bias"]) if "bias" in kw else (q, k, v)
     grads = jax.grad(_loss("cuda", kw), argnums=(0, 1, 2))(*args)
     for mine, ref in zip(grads, jax.grad(_loss("xla", kw), argnums=(0, 1, 2))(*args), strict=True):
@@ -295,23 +295,23 @@ def test_backward_kernels_fit_the_gpus_shared_memory(monkeypatch, capability):
     bytes a block are within the GPU's opt-in limit (an unlisted GPU of 8.0 or later: the smallest
     such limit), and Hopper's own backward fits on 9.0 whatever the mma.sync one would take."""
     monkeypatch.delenv(_ffi.SMEM_LIMIT_ENV, raising=False)
-    monkeypatch.delenv(_ffi.KERNELS_ENV, raising=False)
+    monkeypatch.delenv(_plan.KERNELS_ENV, raising=False)
     listed = {c: b for c, b in _ffi.SMEM_OPTIN_BY_CAPABILITY.items() if c >= (8, 0)}
     limit = _ffi.SMEM_OPTIN_BY_CAPABILITY.get(capability, min(listed.values()))
     for smem_bytes, head_dim in [(limit, 128), (limit + 1, 128), (limit, 96), (limit + 1, 96)]:
         _smaller_gpu(monkeypatch, capability, smem_bytes)
         hopper_own = capability == (9, 0) and head_dim in _contract.BWD_SM90_HEAD_DIMS
-        assert _ffi.backward_kernels_fit(head_dim) is (hopper_own or smem_bytes <= limit), (smem_bytes, head_dim)
+        assert _plan.backward_kernels_fit(_plan.family(), head_dim) is (hopper_own or smem_bytes <= limit), (smem_bytes, head_dim)
 
 
 def test_a_shared_memory_limit_set_for_tests(monkeypatch):
     """JAX_FLASH_SMEM_LIMIT replaces the GPU's limit; with JAX_FLASH_KERNELS=sm80 the Hopper backward
     is not taken, so an H100 checks the mma.sync kernels as an sm_86 GPU would."""
     _smaller_gpu(monkeypatch, (9, 0), 116736)
-    monkeypatch.setenv(_ffi.KERNELS_ENV, "sm80")
-    assert _ffi.backward_kernels_fit(64)
+    monkeypatch.setenv(_plan.KERNELS_ENV, "sm80")
+    assert _plan.backward_kernels_fit(_plan.family(), 64)
     monkeypatch.setenv(_ffi.SMEM_LIMIT_ENV, "101376")
-    assert _ffi.smem_limit() == 101376 and not _ffi.backward_kernels_fit(64)
+    assert _ffi.smem_limit() == 101376 and not _plan.backward_kernels_fit(_plan.family(), 64)
     monkeypatch.setenv(_ffi.SMEM_LIMIT_ENV, "99KB")
     with pytest.raises(ValueError, match=_ffi.SMEM_LIMIT_ENV):
         _ffi.smem_limit()
@@ -402,7 +402,7 @@ def test_head_dims_above_256_run_the_mma_sync_forward_off_hopper(kernel_calls, m
     if case == "ampere":
         monkeypatch.setattr(_ffi, "device_capability", lambda: (8, 0))
     else:
-        monkeypatch.setenv(_ffi.KERNELS_ENV, "sm80")
+        monkeypatch.setenv(_plan.KERNELS_ENV, "sm80")
     q, k, v = qkv(rng_for("cuda-path-wide-sm80", case), jnp.bfloat16, 2, 40, 56, 4, 2, 300)
     kw = {"is_causal": True}
     assert jax_flash.chosen_implementation(q, k, v, **kw) == "cuda"
@@ -500,7 +500,7 @@ def test_unequal_head_dims_take_their_own_kernels(kernel_calls, monkeypatch, cas
     if case == "bias":
         kw["bias"] = jnp.asarray(rng.normal(size=(1, 4, t, 56)), jnp.float32)
     if case == "sm80 kernels":
-        monkeypatch.setenv(_ffi.KERNELS_ENV, "sm80")
+        monkeypatch.setenv(_plan.KERNELS_ENV, "sm80")
     if case == "decode":  # the fixture turns the decode kernels off
         monkeypatch.delenv(_decode.DECODE_ENV)
         monkeypatch.setattr(_decode, "sm_count", lambda: 132)

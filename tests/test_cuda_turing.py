@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
-from jax_flash import _ffi
+from jax_flash import _plan
 from tests import reference
 from tests.cases import qkv, rng_for
 from tests.test_cuda import _custom_call_targets, check
@@ -47,7 +47,7 @@ def test_long_and_short_rows(t, s, is_causal):
 
 def test_the_family_reaches_the_kernels(monkeypatch):
     """Forced, the custom calls carry the Turing family (75), which the dispatch runs or refuses."""
-    monkeypatch.setenv(_ffi.KERNELS_ENV, "sm75")
+    monkeypatch.setenv(_plan.KERNELS_ENV, "sm75")
     q, k, v = qkv(rng_for("turing-attr"), jnp.float16, 1, 256, 256, 2, 2, 64)
     fwd = _custom_call_targets(lambda q, k, v: jax_flash.attention(q, k, v, implementation="cuda"), q, k, v)
     grad = _custom_call_targets(jax.grad(
@@ -60,7 +60,7 @@ def test_the_family_reaches_the_kernels(monkeypatch):
 def test_what_the_family_refuses_takes_another_path(monkeypatch, case):
     """As on a T4: auto mode computes it on another path (here cuDNN or xla), implementation="cuda"
     raises."""
-    monkeypatch.setenv(_ffi.KERNELS_ENV, "sm75")
+    monkeypatch.setenv(_plan.KERNELS_ENV, "sm75")
     dtype = jnp.bfloat16 if case == "bfloat16" else jnp.float16
     h = 192 if case == "head dim 192" else 64
     q, k, v = qkv(rng_for("turing-refused", case), dtype, 2, 300, 300, 4, 2, h)
@@ -88,7 +88,7 @@ def test_forward_speed_beside_the_sm80_kernels():
                 return jax_flash.attention(q, k, v, implementation="cuda", is_causal=is_causal)
 
             with pytest.MonkeyPatch.context() as env:
-                env.setenv(_ffi.KERNELS_ENV, family)
+                env.setenv(_plan.KERNELS_ENV, family)
                 seconds[family] = rested_seconds(jax.jit(forward), (q, k, v))
         ratio = seconds["sm80"] / seconds["sm75"]
         print(f"causal={is_causal}: sm75 {seconds['sm75'] * 1e3:.2f} ms, sm80 {seconds['sm80'] * 1e3:.2f} ms, "

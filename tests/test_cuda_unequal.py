@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
-from jax_flash import _ffi, cuda_impl
+from jax_flash import _ffi, _plan
 from tests import reference
 from tests.cases import rng_for
 from tests.test_cuda import FWD_TOL, GRAD_TOL, poison_free_memory
@@ -30,13 +30,13 @@ def kernel_head_dims(kernel: str) -> tuple[int, int] | None:
     where the Hopper kernels run; else the sm80 family's, V zero-padded to 192 forward and both to
     256 backward, or None where that backward does not fit the shared-memory cap (the xla path's
     backward runs). Skips where no kernel of ours takes head dim 192 (Turing)."""
-    if _ffi.turing_kernels_run():
+    if _plan.family() is _plan.Family.TURING:
         pytest.skip("the Turing kernels take head dims up to 128")
-    if cuda_impl._hopper_kernels_run(_ffi.device_capability(), _ffi.built_archs()):
+    if _plan.family() is _plan.Family.HOPPER:
         return (192, 128)
     if kernel == "forward":
         return (192, 192)
-    return (256, 256) if _ffi.backward_kernels_fit(256) else None
+    return (256, 256) if _plan.backward_kernels_fit(_plan.family(), 256) else None
 
 
 @pytest.fixture

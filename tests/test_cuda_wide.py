@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _ffi, cuda_impl
+from jax_flash import _ffi, _plan, cuda_impl
 from tests import reference
 from tests.cases import rng_for
 from tests.test_cuda import FWD_TOL, GRAD_TOL, poison_free_memory
@@ -22,14 +22,14 @@ def hopper_or_skip(kernel: str = "the forward above head dim 256"):
     """Skips where the dispatch's rule says Hopper's kernels do not run: another GPU, no sm_90a code,
     or a run that forces another kernel family (the grid run as an sm_86 or a T4: GRID in
     scripts/gpu_check.sh)."""
-    if not cuda_impl._hopper_kernels_run(_ffi.device_capability(), _ffi.built_archs()):
-        pytest.skip(f"{kernel} runs on Hopper's kernels alone (a 9.0 GPU, sm_90a code, {_ffi.KERNELS_ENV} not "
+    if _plan.family() is not _plan.Family.HOPPER:
+        pytest.skip(f"{kernel} runs on Hopper's kernels alone (a 9.0 GPU, sm_90a code, {_plan.KERNELS_ENV} not "
                     "forcing another family)")
 
 
 def _sm80_wide_forward_fits(h: int) -> bool:
     """Whether the mma.sync forward at head dim h fits the GPU's (or JAX_FLASH_SMEM_LIMIT's) cap."""
-    padded = cuda_impl.kernel_head_dim(h, cuda_impl.SM80_WIDE_FWD_HEAD_DIMS)
+    padded = _plan.kernel_head_dim(h, cuda_impl.SM80_WIDE_FWD_HEAD_DIMS)
     return _ffi.extension().sm80_wide_forward_smem_bytes(padded) <= _ffi.smem_limit()
 
 
@@ -62,7 +62,7 @@ def test_forward(monkeypatch, family, dtype, h, mask):
     and the mma.sync one (sm80/wide_fwd_kernel.cuh, forced)."""
     if family == "best":
         hopper_or_skip()
-    monkeypatch.setenv(_ffi.KERNELS_ENV, family)
+    monkeypatch.setenv(_plan.KERNELS_ENV, family)
     rng = rng_for("cuda-wide", dtype, h, mask)
     b, t, s = 2, 200, 300 if mask != "segments" else 200
     q = jnp.asarray(rng.normal(size=(b, t, 4, h)), dtype)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _ffi, cuda_impl
+from jax_flash import _ffi, _plan, cuda_impl
 from jax_flash._validation import validate
 from tests import fake_kernels, reference
 from tests.cases import qkv, rng_for
@@ -202,7 +202,7 @@ def test_forcing_the_mma_sync_family_on_hopper_needs_its_code(monkeypatch, off_h
     fake_kernels.install(monkeypatch)
     monkeypatch.setattr(_ffi, "family_archs", lambda: {**fake_kernels.TEST_BUILD_FAMILY_ARCHS,
                                                        "mma_sync_off_hopper": off_hopper})  # fmt: skip
-    monkeypatch.setenv(_ffi.KERNELS_ENV, "sm80")
+    monkeypatch.setenv(_plan.KERNELS_ENV, "sm80")
     q = k = _shape_only((2, 64, 4, 64))
     assert (jax_flash.chosen_implementation(q, k, k) == "cuda") is runs
     if not runs:

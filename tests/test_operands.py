@@ -43,7 +43,7 @@ def test_a_call_that_does_not_match_the_table_is_refused(change):
     elif change == "missing attribute":
         attrs.pop("splits")
     elif change == "extra attribute":
-        attrs["kernels"] = np.int32(0)
+        attrs["family"] = np.int32(90)
     else:
         target = "jax_flash_fwd"
     with pytest.raises(TypeError, match=target):

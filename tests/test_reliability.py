@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import dense_impl, xla_impl
+from jax_flash import _plan, dense_impl, xla_impl
 from jax_flash._validation import validate
 from jax_flash.paged import gather_pages
 from tests import fake_kernels, reference
@@ -275,10 +275,8 @@ FAMILIES = ("best", "sm80", "sm75")
 
 
 def _kernel_call(family, monkeypatch):
-    from jax_flash import _ffi
-
-    monkeypatch.setenv(_ffi.KERNELS_ENV, family)
-    if family == "sm75" and not _ffi.turing_kernels_run():
+    monkeypatch.setenv(_plan.KERNELS_ENV, family)
+    if family == "sm75" and _plan.family() is not _plan.Family.TURING:
         pytest.skip("the Turing family is not built for this GPU")
     dtype = jnp.float16 if family == "sm75" else jnp.bfloat16
     return dtype, lambda *a, **kw: jax_flash.attention(*a, implementation="cuda", **kw)
@@ -310,9 +308,7 @@ def test_kernels_keep_poisoned_slots_out(family, monkeypatch, t, s, h, poison):
     pk, pv = _poisoned(k, lengths, poison), _poisoned(v, lengths, poison)
     _close_to_float64(run(q, pk, pv, **kw), q, k, v, 2e-2, diagonal_by_lengths=t != s, **kw)
     if 16 < t and h <= 256:  # the backward kernels' gradients (decode shapes are forward calls)
-        from jax_flash import _ffi
-
-        if not _ffi.backward_kernels_fit(h):  # under a shared-memory cap: refused, auto mode's instead
+        if not _plan.backward_kernels_fit(_plan.family(), h):  # under a shared-memory cap: refused, auto mode's instead
             with pytest.raises(ValueError, match="cannot differentiate"):
                 jax.grad(lambda q: run(q, pk, pv, **kw).astype(jnp.float32).sum())(q)
             run = jax_flash.attention

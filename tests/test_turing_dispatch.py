@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
-from jax_flash import _decode, _ffi, dense_impl
+from jax_flash import _decode, _ffi, _plan, dense_impl
 from tests import fake_kernels, reference
 from tests.cases import qkv, rng_for
 
@@ -35,7 +35,7 @@ def _loss(implementation, **kw):
 def test_float16_up_to_128_takes_the_turing_kernels(turing_calls, monkeypatch, h, padded, where):
     if where == "forced on hopper":
         monkeypatch.setattr(_ffi, "device_capability", lambda: (9, 0))
-        monkeypatch.setenv(_ffi.KERNELS_ENV, "sm75")
+        monkeypatch.setenv(_plan.KERNELS_ENV, "sm75")
     q, k, v = qkv(rng_for("turing-dispatch", h, where), jnp.float16, 2, 40, 56, 4, 2, h)
     kw = dict(is_causal=True, local_window_size=(20, 0), softcap=20.0)
     assert jax_flash.chosen_implementation(q, k, v, **kw) == "cuda"
@@ -44,9 +44,9 @@ def test_float16_up_to_128_takes_the_turing_kernels(turing_calls, monkeypatch, h
     (fwd_target, fwd_shapes), *_, (bwd_target, bwd_shapes) = turing_calls
     assert (fwd_target, fwd_shapes[0], bwd_target, bwd_shapes[0]) == (
         "jax_flash_fwd", (2, 40, 4, padded), "jax_flash_bwd", (2, 40, 4, padded))
-    family = 0 if where == "turing" else 75  # the GPU's best family there, or forced
-    assert int(turing_calls.attrs["jax_flash_fwd"]["kernels"]) == family
-    assert int(turing_calls.attrs["jax_flash_bwd"]["kernels"]) == family
+    # The plan names the Turing family, on its own GPU or forced on Hopper.
+    assert int(turing_calls.attrs["jax_flash_fwd"]["family"]) == _plan.Family.TURING
+    assert int(turing_calls.attrs["jax_flash_bwd"]["family"]) == _plan.Family.TURING
     xla = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation="xla", **kw))(q, k, v)
     assert reference.rel_error(out, xla) < 1e-2
     for mine, ref in zip(grads, jax.jit(jax.grad(_loss("xla", **kw), (0, 1, 2)))(q, k, v), strict=True):
@@ -106,7 +106,7 @@ def test_no_turing_kernels_without_their_code(turing_calls, monkeypatch, capabil
     monkeypatch.setattr(_ffi, "device_capability", lambda: capability)
     monkeypatch.setattr(_ffi, "family_archs", lambda: {**fake_kernels.TEST_BUILD_FAMILY_ARCHS, "turing": turing_archs})
     if forced:
-        monkeypatch.setenv(_ffi.KERNELS_ENV, forced)
+        monkeypatch.setenv(_plan.KERNELS_ENV, forced)
     q, k, v = qkv(rng_for("turing-no-code", capability), jnp.float16, 1, 16, 16, 2, 2, 64)
     assert jax_flash.chosen_implementation(q, k, v).startswith("xla")
     with pytest.raises(ValueError, match=reason):
@@ -117,9 +117,9 @@ def test_the_turing_backward_is_weighed_against_its_shared_memory(turing_calls, 
     """64 KB a block on sm_75 (its kernels fit it: test_the_turing_kernels_fit_64_kb); a smaller
     limit forced for a test sends the gradients to the xla path."""
     monkeypatch.setattr(_ffi.extension(), "sm75_backward_smem_bytes", lambda head_dim: 57856)
-    assert _ffi.smem_limit() == 65536 and _ffi.backward_kernels_fit(128)
+    assert _ffi.smem_limit() == 65536 and _plan.backward_kernels_fit(_plan.family(), 128)
     monkeypatch.setenv(_ffi.SMEM_LIMIT_ENV, "49152")
-    assert not _ffi.backward_kernels_fit(128)
+    assert not _plan.backward_kernels_fit(_plan.family(), 128)
 
 
 def test_the_turing_kernels_fit_64_kb():

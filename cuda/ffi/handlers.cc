@@ -165,11 +165,15 @@ ffi::Error fill_bias(ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::DataType dty
   return ffi::Error::Success();
 }
 
-ffi::Error check_kernel_family(int32_t kernels) {
-  if (kernels != int32_t(KernelFamily::kBest) && kernels != int32_t(KernelFamily::kSm80) &&
-      kernels != int32_t(KernelFamily::kSm75)) {
-    return ffi::Error::InvalidArgument("jax_flash: kernels must be 0 (best), 80 (sm80 only) or 75 (sm75 only), got " +
-                                       std::to_string(kernels));
+// The plan's family (jax_flash/_plan.py), refused where this module or GPU cannot run it.
+ffi::Error check_kernel_family(int32_t family) {
+  if (family != int32_t(KernelFamily::kTuring) && family != int32_t(KernelFamily::kMmaSync) &&
+      family != int32_t(KernelFamily::kHopper)) {
+    return ffi::Error::InvalidArgument("jax_flash: family must be 75 (Turing), 80 (mma.sync) or 90 (Hopper), got " +
+                                       std::to_string(family));
+  }
+  if (const char* why = family_unavailable(KernelFamily(family))) {
+    return ffi::Error::InvalidArgument(std::string("jax_flash: ") + why);
   }
   return ffi::Error::Success();
 }
@@ -203,8 +207,8 @@ ffi::Error fwd_impl(JAX_FLASH_FWD_PARAMS) {
   }
   p.tile_scratch = tile_scratch->typed_data();
   p.tile_scratch_size = scratch_size;
-  if (ffi::Error e = check_kernel_family(kernels); e.failure()) return e;
-  return launch_status(run_fwd(dtype, p, KernelFamily(kernels), stream), "forward");
+  if (ffi::Error e = check_kernel_family(family); e.failure()) return e;
+  return launch_status(run_fwd(dtype, p, KernelFamily(family), stream), "forward");
 }
 
 ffi::Error bwd_impl(JAX_FLASH_BWD_PARAMS) {
@@ -267,8 +271,8 @@ ffi::Error bwd_impl(JAX_FLASH_BWD_PARAMS) {
       return launch_status(e, "dbias zeroing");
     }
   }
-  if (ffi::Error e = check_kernel_family(kernels); e.failure()) return e;
-  return launch_status(run_bwd(dtype, p, KernelFamily(kernels), stream), "backward");
+  if (ffi::Error e = check_kernel_family(family); e.failure()) return e;
+  return launch_status(run_bwd(dtype, p, KernelFamily(family), stream), "backward");
 }
 
 

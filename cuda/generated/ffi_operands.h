@@ -29,7 +29,7 @@
   .Attr<int32_t>("window_left") \
   .Attr<int32_t>("window_right") \
   .Attr<int32_t>("diagonal_by_lengths")  /* 1: FwdParams::diagonal_by_lengths */ \
-  .Attr<int32_t>("kernels")  /* KernelFamily */
+  .Attr<int32_t>("family")  /* KernelFamily: the plan's, jax_flash/_plan.py */
 
 #define JAX_FLASH_FWD_PARAMS \
   cudaStream_t stream, \
@@ -51,7 +51,7 @@
   int32_t window_left, \
   int32_t window_right, \
   int32_t diagonal_by_lengths, \
-  int32_t kernels
+  int32_t family
 
 #define JAX_FLASH_BWD_BIND \
   ::xla::ffi::Ffi::Bind() \
@@ -83,7 +83,7 @@
   .Attr<int32_t>("window_left") \
   .Attr<int32_t>("window_right") \
   .Attr<int32_t>("diagonal_by_lengths")  /* 1: FwdParams::diagonal_by_lengths */ \
-  .Attr<int32_t>("kernels")  /* KernelFamily */ \
+  .Attr<int32_t>("family")  /* KernelFamily: the plan's, jax_flash/_plan.py */ \
   .Attr<int32_t>("deterministic")  /* 1: dQ parts added in a fixed order */ \
   .Attr<int32_t>("smem_limit")  /* bytes a block may take (0: the GPU's) */
 
@@ -116,7 +116,7 @@
   int32_t window_left, \
   int32_t window_right, \
   int32_t diagonal_by_lengths, \
-  int32_t kernels, \
+  int32_t family, \
   int32_t deterministic, \
   int32_t smem_limit
 

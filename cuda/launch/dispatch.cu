@@ -41,24 +41,8 @@ cudaError_t by_head_dim(int head_dim, Fn&& fn) {
   return for_head_dim(contract::FwdHeadDims{}, head_dim, fn);
 }
 
-// True on a Hopper GPU (sm_90) when the module holds sm_90a code (JAX_FLASH_CUDA_ARCHS has 90a).
-bool use_sm90(KernelFamily family) {
-#if defined(JAX_FLASH_HAS_SM90A)
-  if (family != KernelFamily::kBest) return false;
-  int major = 0, minor = 0;
-  return current_device_capability(&major, &minor) && major == 9 && minor == 0;
-#else
-  (void)family;
-  return false;
-#endif
-}
-
-// True where the Turing family runs: forced, or the best family of a 7.x GPU.
-bool use_sm75(KernelFamily family) {
-  if (family == KernelFamily::kSm75) return true;
-  int major = 0, minor = 0;
-  return family == KernelFamily::kBest && current_device_capability(&major, &minor) && major == 7;
-}
+bool use_sm90(KernelFamily family) { return family == KernelFamily::kHopper; }
+bool use_sm75(KernelFamily family) { return family == KernelFamily::kTuring; }
 
 // The Turing family: fp16 without a bias or mask, equal head dims of fwd_sm75 / bwd_sm75 (the Python
 // layer sends it nothing else: bf16 and the rest take the xla path there).
@@ -198,6 +182,24 @@ cudaError_t decode_for(const DecodeParams& p, cudaStream_t stream) {
 }
 
 }  // namespace
+
+const char* family_unavailable(KernelFamily family) {
+  switch (family) {
+    case KernelFamily::kTuring:
+    case KernelFamily::kMmaSync:
+      return nullptr;  // compiled for every target listed, or for them all (CMakeLists.txt)
+    case KernelFamily::kHopper: {
+#if defined(JAX_FLASH_HAS_SM90A)
+      int major = 0, minor = 0;
+      const bool hopper = current_device_capability(&major, &minor) && major == 9 && minor == 0;
+      return hopper ? nullptr : "the plan names the Hopper kernels, which run on a 9.0 GPU alone";
+#else
+      return "the plan names the Hopper kernels, and this module has no sm_90a code";
+#endif
+    }
+  }
+  return "the plan names an unknown kernel family";
+}
 
 cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, cudaStream_t stream) {
   return dtype == DType::kFloat16 ? fwd_for<__half>(p, family, stream) : fwd_for<__nv_bfloat16>(p, family, stream);

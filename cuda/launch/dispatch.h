@@ -28,10 +28,14 @@ using contract::fwd_sm90_unequal_supports_head_dims;
 using contract::fwd_sm90_wide_supports_head_dim;
 using contract::fwd_supports_head_dim;
 
-// Which kernel family a call may use: the fastest one for the device (the Turing family on sm_75),
-// or only the mma.sync (sm80) kernels, which run on every GPU from sm_80 on, or only the Turing
-// ones (fp16 at fwd_sm75's head dims, no bias), which also run on Hopper: forced there to test them.
-enum class KernelFamily { kBest = 0, kSm75 = 75, kSm80 = 80 };
+// The kernel family of the Python layer's plan (jax_flash/_plan.py's Family, the custom calls'
+// `family` attribute), which the dispatch follows: the Turing kernels (fp16 at fwd_sm75's head
+// dims, no bias; on sm_75, or forced on Hopper to test them), the mma.sync ones (every GPU from
+// sm_80 on), or Hopper's, with the mma.sync kernels where Hopper has none (head dims 32 and 96)
+// and for a bias or mask whose layout is not in pairs (bias_in_pairs).
+enum class KernelFamily { kTuring = 75, kMmaSync = 80, kHopper = 90 };
+// Why this module and the current GPU cannot run `family`, or nullptr where they can.
+const char* family_unavailable(KernelFamily family);
 
 // The launch status. Callers check the head dim first (cudaErrorInvalidValue otherwise).
 cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, cudaStream_t stream);
