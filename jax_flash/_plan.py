@@ -123,7 +123,7 @@ def runs_decode(of: Family, query_shape: tuple, kv_heads: int, value_dim: int, b
 def backward_kernels_fit(of: Family, head_dim: int) -> bool:
     """Whether the backward kernels of a (kernel) head dim fit the default GPU's shared memory:
     Hopper's own always (227 KB a block); the mma.sync ones where their smallest tiles' bytes a
-    block (the compact ones, cuda/sm80/traits.cuh) are within `_ffi.smem_limit()` (their launcher
+    block (the compact ones, cuda/sm80/config.cuh) are within `_ffi.smem_limit()` (their launcher
     takes the largest tiles that fit); the Turing ones likewise."""
     if of is Family.TURING:
         return _ffi.extension().sm75_backward_smem_bytes(head_dim) <= _ffi.smem_limit()

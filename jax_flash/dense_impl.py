@@ -65,7 +65,7 @@ def backward_blocks(call: Call) -> tuple[int, int]:
         return xla_impl.DEFAULT_BLOCK_Q, xla_impl.DEFAULT_BLOCK_K
     rows = min(fitting_rows, BANDED_BACKWARD_BLOCK if banded else t)
     blocks = -(-t // rows)  # equal blocks of at most `rows`: T is padded by under 8 a block
-    return xla_impl._round_up(-(-t // blocks), 8), max(block_k, 8)
+    return xla_impl.round_up(-(-t // blocks), 8), max(block_k, 8)
 
 
 def is_banded(call: Call) -> bool:

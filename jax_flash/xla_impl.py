@@ -39,13 +39,13 @@ class _Plan(NamedTuple):
     static_offset: int | None  # S - T, when no sequence lengths make the diagonal per-batch
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
 def _make_plan(t: int, s: int, offset_per_row: bool, block_q: int, block_k: int) -> _Plan:
-    bq = min(block_q, _round_up(t, 8))
-    bk = min(block_k, _round_up(s, 8))
+    bq = min(block_q, round_up(t, 8))
+    bk = min(block_k, round_up(s, 8))
     return _Plan(bq, bk, -(-t // bq), -(-s // bk), None if offset_per_row else s - t)
 
 

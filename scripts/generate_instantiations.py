@@ -92,9 +92,11 @@ HEADER = """\
 #include "{header}"
 """
 INSTANTIATION = """
-template cudaError_t jax_flash::{launcher}<{ctype}, {head_dim}, jax_flash::Variant::{variant}>(
+template cudaError_t jax_flash::{launcher}<{types}, {head_dim}, jax_flash::Variant::{variant}>(
     const jax_flash::{params}&, cudaStream_t);
 """
+# Launchers whose second type argument is the cache's K/V element type (today the queries').
+KV_TYPED = {"run_decode"}
 
 
 def _camel(name: str) -> str:
@@ -180,8 +182,8 @@ def expected_files() -> dict[str, str]:
                     split = len(by_family) > 1 and variants == ["kEverything"]
                     name = f"{kernel}_{arch}_{dtype}_hdim{dims}{'_bias' if split else ''}.cu"
                     files[name] = HEADER.format(header=header) + "".join(
-                        INSTANTIATION.format(launcher=launcher, ctype=ctype, head_dim=arguments, variant=variant,
-                                             params=params)
+                        INSTANTIATION.format(launcher=launcher, types=f"{ctype}, {ctype}" if launcher in KV_TYPED else ctype,
+                                             head_dim=arguments, variant=variant, params=params)
                         for variant in variants)
                     families[name_of_family].append(name)
     files["families.cmake"] = families_cmake(families)

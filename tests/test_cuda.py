@@ -237,7 +237,7 @@ def test_gqa_and_windows(n, kv_heads, window):
 
 @pytest.mark.parametrize("window", [None, (64, 0), (100, 30)])
 def test_windows_at_128(window):
-    """H = 128 with bands, T != S and GQA: the sm80 forward's 128-row tiles (traits.cuh) and, without
+    """H = 128 with bands, T != S and GQA: the sm80 forward's 128-row tiles (config.cuh) and, without
     a band, the sm90 backward's 80-query steps (run_sm90.cuh)."""
     check(jnp.bfloat16, 2, 500, 700, 4, 2, 128, local_window_size=window)
 

@@ -160,7 +160,7 @@ def test_empty_inputs(monkeypatch, family, q_shape, kv_shape):
 
 # (limit, head dim, whether backward kernels run): sm_86/89's 99 KB take the compact mma.sync tiles
 # at 32, 64, 96 and 128 and the xla path's backward at 256; an A100's 163 KB the usual tiles at 96
-# and the compact ones at 256 (cuda/sm80/traits.cuh).
+# and the compact ones at 256 (cuda/sm80/config.cuh).
 SMALLER_GPUS = [(101376, 32, True), (101376, 64, True), (101376, 128, True), (101376, 96, True),
                 (101376, 256, False), (166912, 96, True), (166912, 256, True)]  # fmt: skip
 

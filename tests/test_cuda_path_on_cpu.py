@@ -332,7 +332,7 @@ def test_the_backward_kernels_take_the_forced_shared_memory_limit(kernel_calls, 
 
 
 def test_the_kernels_fit_the_smaller_gpus():
-    """The compiled module's shared memory a block of the mma.sync kernels (cuda/sm80/traits.cuh,
+    """The compiled module's shared memory a block of the mma.sync kernels (cuda/sm80/config.cuh,
     wide_fwd/config.cuh), which the dispatch weighs against the GPU's: the forward within sm_86/89's
     99 KB at every head dim up to 256; the smallest backward tiles within it at 32, 64, 96 and
     128, within an A100's 163 KB at 256. Needs the compiled extension (CI's first environment

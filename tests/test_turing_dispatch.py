@@ -123,7 +123,7 @@ def test_the_turing_backward_is_weighed_against_its_shared_memory(turing_calls, 
 
 
 def test_the_turing_kernels_fit_64_kb():
-    """The compiled module's shared memory a block of the Turing family (cuda/sm80/traits.cuh with
+    """The compiled module's shared memory a block of the Turing family (cuda/sm80/config.cuh with
     Isa::kSm75): within sm_75's 64 KB at 64, 96 and 128, and no kernel at other head dims. Needs the
     compiled extension (CI's first environment builds it; no GPU needed)."""
     module = _ffi.extension()

@@ -124,7 +124,7 @@ struct BwdParams : FwdParams {
   Strides4 dbias_strides;
   // Bytes of shared memory a block of the mma.sync backward may take: the limit the Python
   // dispatch assumed (the GPU's, or JAX_FLASH_SMEM_LIMIT); its launcher picks tiles within it
-  // (sm80/traits.cuh, BwdConfig's kCompact). 0: the device's.
+  // (sm80/config.cuh, BwdConfig's kCompact). 0: the device's.
   int smem_limit;
 };
 

@@ -1,7 +1,8 @@
-// Shared-memory tiles of 16-bit elements and the swizzle that makes ldmatrix conflict-free.
+// Shared-memory tiles of 16-bit (or 8-bit) elements and the swizzle that makes ldmatrix
+// conflict-free.
 //
-// A [kRows, kCols] tile is stored as column panels of 8 (or, when kCols/8 is not a multiple of
-// 8, 4) 16-byte chunks. Inside a panel, rows are contiguous and the chunk index is XORed with
+// A [kRows, kCols] tile is stored as column panels of 8 (or, when its chunks a row are not a
+// multiple of 8, 4) 16-byte chunks. Inside a panel, rows are contiguous and the chunk index is XORed with
 // bits of the row, so the 8 row addresses of one ldmatrix matrix (8 consecutive rows, same
 // chunk) fall in 8 different 16-byte bank groups: no bank conflicts, and no padding.
 #pragma once
@@ -12,16 +13,19 @@
 
 namespace jax_flash {
 
-template <int kRows_, int kCols_>
+template <int kRows_, int kCols_, int kElemBytes_ = 2>
 struct SmemTile {
   static constexpr int kRows = kRows_;
   static constexpr int kCols = kCols_;
-  static constexpr int kChunks = kCols / 8;  // 16-byte chunks per row
+  static constexpr int kElemBytes = kElemBytes_;
+  static_assert(kElemBytes == 1 || kElemBytes == 2, "8- or 16-bit elements");
+  static constexpr int kChunkElems = 16 / kElemBytes;  // elements of one 16-byte chunk
+  static constexpr int kChunks = kCols / kChunkElems;  // 16-byte chunks per row
   static constexpr int kPanelChunks = kChunks % 8 == 0 ? 8 : 4;
-  static constexpr int kBytes = kRows * kCols * 2;
-  static_assert(kCols % 32 == 0 && kRows % 8 == 0, "tiles are whole 8-row, 64-byte units");
+  static constexpr int kBytes = kRows * kCols * kElemBytes;
+  static_assert(kCols * kElemBytes % 64 == 0 && kRows % 8 == 0, "tiles are whole 8-row, 64-byte units");
 
-  // Byte offset of chunk `chunk` (columns 8*chunk .. 8*chunk+7) of row `row`.
+  // Byte offset of chunk `chunk` (columns kChunkElems * chunk on) of row `row`.
   __device__ __forceinline__ static int offset(int row, int chunk) {
     const int panel = chunk / kPanelChunks;
     const int c = chunk % kPanelChunks;
@@ -68,12 +72,13 @@ template <typename Tile, int kThreads, bool kUnroll, bool kWholeTilePath = false
           typename T>
 __device__ __forceinline__ void load_tile(uint32_t smem, const T* gmem, int64_t row_stride,
                                           int rows_valid, int tid) {
+  static_assert(sizeof(T) == Tile::kElemBytes, "the tile holds the global tile's elements");
   constexpr int kRowsPerPass = kThreads / Tile::kChunks;
   if constexpr (kThreads % Tile::kChunks == 0 && kRowsPerPass % 8 == 0 &&
                 Tile::kRows % kRowsPerPass == 0) {
     const int row0 = tid / Tile::kChunks, chunk = tid % Tile::kChunks;
     const uint32_t dst = smem + Tile::offset(row0, chunk);
-    const T* src = gmem + row0 * row_stride + chunk * 8;
+    const T* src = gmem + row0 * row_stride + chunk * Tile::kChunkElems;
     const int64_t pass_stride = kRowsPerPass * row_stride;
     constexpr int kPasses = Tile::kRows / kRowsPerPass;
     // Row + 8k keeps the swizzle, so the shared-memory offset grows by whole rows of chunks.
@@ -115,7 +120,7 @@ __device__ __forceinline__ void load_tile(uint32_t smem, const T* gmem, int64_t 
       const int row = i / Tile::kChunks;
       const int chunk = i % Tile::kChunks;
       const bool valid = row < rows_valid;
-      const T* src = gmem + (valid ? row * row_stride + chunk * 8 : 0);
+      const T* src = gmem + (valid ? row * row_stride + chunk * Tile::kChunkElems : 0);
       ptx::copy_16<kIsa>(smem + Tile::offset(row, chunk), src, valid);
     }
   }

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "common/ptx.cuh"
+#include "common/row_total.cuh"
 #include "decode/params.h"
 
 namespace jax_flash::decode {
@@ -76,7 +77,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_kernel(const Decod
     sum += lse[i];
   }
   sum = ptx::warp_sum(sum);
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a row that saw no key: output 0, lse -inf
+  const RowTotal total = RowTotal::whole(sum);  // the splits' lse are natural logarithms: unit 1
+  const float inv = total.inv(max, 1.f, extra_logit(p, int(row % p.heads)));
 #pragma unroll
   for (int i = 0; i < kSplitsPerLane; ++i) weights[warp][lane + 32 * i] = lse[i] * inv;
   __syncwarp();
@@ -99,7 +101,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_kernel(const Decod
   for (int c = 0; c < kColumns; ++c) out[c] = T(o[c]);
   if (lane == 0) {
     const int64_t head = row % p.heads, query = (row / p.heads) % p.seqlen_q, batch = row / (int64_t(p.heads) * p.seqlen_q);
-    p.lse[(batch * p.heads + head) * p.seqlen_q + query] = sum > 0.f ? max + logf(sum) : -INFINITY;
+    p.lse[(batch * p.heads + head) * p.seqlen_q + query] = total.lse(max, 1.f, extra_logit(p, int(head)));
   }
 }
 

@@ -1,4 +1,5 @@
-// Tile sizes of the decode kernels, from the element type and head dim.
+// Tile sizes of the decode kernels, from the element types (the queries', and the cache's K and V)
+// and the head dim.
 //
 // A CTA holds one m16 tile of query rows (the queries x query heads of one kv head) and a few
 // warps; each warp streams its own blocks of kDecodeBlockKeys keys through a ring of cp.async
@@ -16,16 +17,19 @@ namespace jax_flash::decode {
 // (run_decode.cuh launches it so): each warp keeps one block in flight, not two. With 264 CTAs
 // (two an SM) or 132 of deeper rings streaming at once, HBM served 1-2% fewer bytes than with 132
 // of these (decode D9): past what hides the latency, more loads in flight only cost.
-template <typename T_, int kHeadDim_, bool kOneAnSm_ = false>
+// KvT: the cache's element type, the queries' (16 bits) today; an 8-bit one takes half the
+// stage bytes (fp8 caches: to convert in registers before the mma.sync, which take T).
+template <typename T_, typename KvT_, int kHeadDim_, bool kOneAnSm_ = false>
 struct Config {
   using T = T_;
+  using KvT = KvT_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kOneAnSm = kOneAnSm_;
   static_assert(!kOneAnSm || kHeadDim <= 128, "one CTA an SM: four warps, H <= 128");
   // Two warps above H = 128: each warp keeps O (H / 2 fp32 a thread) and Q (H / 4 registers).
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 2;
   static constexpr int kThreads = kWarps * 32;
-  using KvTile = SmemTile<kDecodeBlockKeys, kHeadDim>;  // K or V of one warp's step
+  using KvTile = SmemTile<kDecodeBlockKeys, kHeadDim, sizeof(KvT)>;  // K or V of one warp's step
   static constexpr int kStageBytes = 2 * KvTile::kBytes;
   // Q fragments in registers up to H = 128; above, beside O they would spill, and each warp keeps
   // a copy of the tile in shared memory instead (query_tile.cuh).

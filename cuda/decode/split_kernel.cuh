@@ -39,6 +39,8 @@ __device__ __forceinline__ BlockRange split_blocks(Range keys, int split, int sp
 template <typename Cfg, Variant kVariant>
 __global__ void __launch_bounds__(Cfg::kThreads) split_kernel(const DecodeParams p) {
   using T = typename Cfg::T;
+  using KvT = typename Cfg::KvT;
+  static_assert(sizeof(KvT) == sizeof(T), "K/V of T's size: their fragments feed the mma.sync as loaded");
   constexpr int kHeadDim = Cfg::kHeadDim, kWarps = Cfg::kWarps;
   constexpr int kKSteps = kHeadDim / 16, kDTiles = kHeadDim / 8;
   constexpr float kLog2e = 1.4426950408889634f;
@@ -52,7 +54,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) split_kernel(const DecodeParams
   const auto logits = Logits<cap_of(kVariant)>::from(p);
   const Range keys = band.keys_of(rows.query(0), rows.query(rows.last_valid()));
   const BlockRange blocks = split_blocks(keys, blockIdx.x, p.splits);
-  const KvSource<T> source = KvSource<T>::of(p, batch, rows.kv_head, kHeadDim);
+  const KvSource<KvT> source = KvSource<KvT>::of(p, batch, rows.kv_head, kHeadDim);
   const WarpRing<Cfg> ring = WarpRing<Cfg>::of_warp(ptx::smem_addr(smem), warp);
 
   // This warp's steps: blocks begin + warp, begin + warp + kWarps, ...

@@ -8,6 +8,7 @@
 
 #include "common/online_softmax.cuh"
 #include "common/ptx.cuh"
+#include "common/row_total.cuh"
 #include "decode/packed_rows.cuh"
 #include "decode/params.h"
 
@@ -61,9 +62,11 @@ __device__ __forceinline__ void merge_and_store(const DecodeParams& p, const Pac
       const float4 x = *reinterpret_cast<const float4*>(merged_o + (w * kRows + row) * kRowFloats + col);
       o.x += weight * x.x, o.y += weight * x.y, o.z += weight * x.z, o.w += weight * x.w;
     }
-    // A row that saw nothing: output 0, log-sum-exp -inf.
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const float lse = sum > 0.f ? max * unit + logf(sum) : -INFINITY;
+    // With one split the row is whole and takes the extra logit here; a split's part leaves it
+    // to the combine.
+    const RowTotal total = RowTotal::whole(sum);
+    const auto extra = extra_logit_if(p.splits == 1, p, rows.head(row));
+    const float inv = total.inv(max, unit, extra), lse = total.lse(max, unit, extra);
     const int64_t out_row = rows.output_row(p, batch, row);
     if (p.splits == 1) {
       const uint2 packed{ptx::pack2<T>(o.x * inv, o.y * inv), ptx::pack2<T>(o.z * inv, o.w * inv)};

@@ -29,21 +29,32 @@ std::string shape_string(ffi::AnyBuffer::Dimensions dims) {
 // Python layer guarantees, so that a misuse of the raw target fails cleanly.
 // `key_batch`: the keys' first axis when it is not the batch (a paged pool), else -1.
 // `value_dim_may_differ`: v's head dim may differ from k's (the forward; it checks the pair).
+// The kernels' element type of an FFI dtype.
+ffi::Error dtype_of(ffi::DataType type, DType* dtype) {
+  switch (type) {
+    case ffi::DataType::F16: *dtype = DType::kFloat16; return ffi::Error::Success();
+    case ffi::DataType::BF16: *dtype = DType::kBFloat16; return ffi::Error::Success();
+    default: return ffi::Error::InvalidArgument("jax_flash: kernels take float16 or bfloat16");
+  }
+}
+
+// `kv_dtype`: where given (decode), k and v may have a dtype of their own, written there.
 ffi::Error fill_shapes(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, DType* dtype,
-                       FwdParams* p, int64_t key_batch = -1, bool value_dim_may_differ = false) {
+                       FwdParams* p, int64_t key_batch = -1, bool value_dim_may_differ = false,
+                       DType* kv_dtype = nullptr) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
     return ffi::Error::InvalidArgument("jax_flash: q, k, v must be rank 4 (BTNH), got " +
                                        shape_string(qd) + ", " + shape_string(kd) + ", " +
                                        shape_string(vd));
   }
-  if (k.element_type() != q.element_type() || v.element_type() != q.element_type()) {
-    return ffi::Error::InvalidArgument("jax_flash: q, k, v must share one dtype");
+  if (v.element_type() != k.element_type() || (kv_dtype == nullptr && k.element_type() != q.element_type())) {
+    return ffi::Error::InvalidArgument(kv_dtype ? "jax_flash: k and v must share one dtype"
+                                                : "jax_flash: q, k, v must share one dtype");
   }
-  switch (q.element_type()) {
-    case ffi::DataType::F16: *dtype = DType::kFloat16; break;
-    case ffi::DataType::BF16: *dtype = DType::kBFloat16; break;
-    default: return ffi::Error::InvalidArgument("jax_flash: kernels take float16 or bfloat16");
+  if (ffi::Error e = dtype_of(q.element_type(), dtype); e.failure()) return e;
+  if (kv_dtype != nullptr) {
+    if (ffi::Error e = dtype_of(k.element_type(), kv_dtype); e.failure()) return e;
   }
   for (size_t i = 0; i < 4; ++i) {
     if (kd[i] != vd[i] && !(i == 3 && value_dim_may_differ)) {
@@ -281,7 +292,7 @@ ffi::Error bwd_impl(JAX_FLASH_BWD_PARAMS) {
 // [splits, B, T, N] float32 (each empty with one split).
 ffi::Error decode_impl(JAX_FLASH_DECODE_PARAMS) {
   DecodeParams p{};
-  DType dtype;
+  DType dtype, kv_dtype;
   const bool paged = page_table.element_count() > 0;
   const auto qd = q.dimensions(), kd = k.dimensions(), td = page_table.dimensions();
   if (paged) {
@@ -292,14 +303,17 @@ ffi::Error decode_impl(JAX_FLASH_DECODE_PARAMS) {
                                          std::to_string(kDecodeBlockKeys) + "), K, H] and a page table [B, max_pages], got " +
                                          shape_string(qd) + ", " + shape_string(kd) + ", " + shape_string(td));
     }
-    if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p, /*key_batch=*/kd[0]); e.failure()) return e;
+    if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p, /*key_batch=*/kd[0], false, &kv_dtype); e.failure()) return e;
     p.page_table = page_table.typed_data();
     p.page_size = static_cast<int>(kd[1]);
     p.max_pages = static_cast<int>(td[1]);
     p.pool_pages = static_cast<int>(kd[0]);
     p.seqlen_k = p.page_size * p.max_pages;
-  } else if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p); e.failure()) {
+  } else if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p, -1, false, &kv_dtype); e.failure()) {
     return e;
+  }
+  if (kv_dtype != dtype) {
+    return ffi::Error::InvalidArgument("jax_flash: the decode kernels take k and v in q's dtype");
   }
   if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, diagonal_by_lengths, &p); e.failure()) return e;
   if (!contract::decode_supports_head_dim(p.head_dim)) {
@@ -328,7 +342,7 @@ ffi::Error decode_impl(JAX_FLASH_DECODE_PARAMS) {
   }
   p.o_partial = o_partial->typed_data();
   p.lse_partial = lse_partial->typed_data();
-  return launch_status(run_decode(dtype, p, stream), "decode");
+  return launch_status(run_decode(dtype, kv_dtype, p, stream), "decode");
 }
 
 }  // namespace

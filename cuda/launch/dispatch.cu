@@ -8,7 +8,7 @@
 #include "common/bias.cuh"
 #include "launch/device.h"
 #include "launch/dispatch.h"
-#include "sm80/traits.cuh"
+#include "sm80/config.cuh"
 #include "sm80/wide_fwd/config.cuh"
 #include "sm90/bwd/bias_tiles.cuh"
 
@@ -172,12 +172,12 @@ cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream
   return by_variant(p, [&](auto v) { return bwd_for<T, decltype(v)::value>(p, family, stream); });
 }
 
-template <typename T>
+template <typename T, typename KvT>
 cudaError_t decode_for(const DecodeParams& p, cudaStream_t stream) {
   return for_head_dim(contract::DecodeHeadDims{}, p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
-    if (p.softcap > 0.f) return run_decode<T, kHeadDim, Variant::kSoftcap>(p, stream);
-    return run_decode<T, kHeadDim, Variant::kMasked>(p, stream);
+    if (p.softcap > 0.f) return run_decode<T, KvT, kHeadDim, Variant::kSoftcap>(p, stream);
+    return run_decode<T, KvT, kHeadDim, Variant::kMasked>(p, stream);
   });
 }
 
@@ -209,8 +209,10 @@ cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, cudaSt
   return dtype == DType::kFloat16 ? bwd_for<__half>(p, family, stream) : bwd_for<__nv_bfloat16>(p, family, stream);
 }
 
-cudaError_t run_decode(DType dtype, const DecodeParams& p, cudaStream_t stream) {
-  return dtype == DType::kFloat16 ? decode_for<__half>(p, stream) : decode_for<__nv_bfloat16>(p, stream);
+cudaError_t run_decode(DType dtype, DType kv_dtype, const DecodeParams& p, cudaStream_t stream) {
+  if (kv_dtype != dtype) return cudaErrorInvalidValue;  // instantiated for K/V in q's dtype alone
+  return dtype == DType::kFloat16 ? decode_for<__half, __half>(p, stream)
+                                  : decode_for<__nv_bfloat16, __nv_bfloat16>(p, stream);
 }
 
 int sm80_forward_smem_bytes(int head_dim) {

@@ -40,8 +40,9 @@ const char* family_unavailable(KernelFamily family);
 // The launch status. Callers check the head dim first (cudaErrorInvalidValue otherwise).
 cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, cudaStream_t stream);
 cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, cudaStream_t stream);
-// The split-KV decode kernels (mma.sync, every GPU from sm_80 on), at every forward head dim.
-cudaError_t run_decode(DType dtype, const DecodeParams& p, cudaStream_t stream);
+// The split-KV decode kernels (mma.sync, every GPU from sm_80 on), at every forward head dim: q in
+// `dtype`, the cache's K and V in `kv_dtype` (today the same: cudaErrorInvalidValue otherwise).
+cudaError_t run_decode(DType dtype, DType kv_dtype, const DecodeParams& p, cudaStream_t stream);
 
 // Bytes of shared memory a block of the mma.sync backward takes at this head dim with its smallest
 // tiles (the compact ones; 0: no kernel). The Python dispatch weighs it against
@@ -73,7 +74,7 @@ template <typename T, int kHeadDim, int kValueDim, Variant kVariant>
 cudaError_t run_unequal_fwd_sm90(const FwdParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim, int kValueDim, Variant kVariant>
 cudaError_t run_unequal_bwd_sm90(const BwdParams& p, cudaStream_t stream);
-template <typename T, int kHeadDim, Variant kVariant>
+template <typename T, typename KvT, int kHeadDim, Variant kVariant>
 cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_fwd_sm75(const FwdParams& p, cudaStream_t stream);

@@ -1,4 +1,4 @@
-// Launcher of the decode kernels for one (element type, head dim, variant): the split kernel over
+// Launcher of the decode kernels for one (query and K/V element types, head dim, variant): the split kernel over
 // (splits, kv heads x row tiles, batch) and, with several splits, the combine kernel after it.
 #pragma once
 
@@ -55,9 +55,9 @@ cudaError_t launch_split(const DecodeParams& p, unsigned tiles, int smem, cudaSt
   return cudaGetLastError();
 }
 
-template <typename T, int kHeadDim, Variant kVariant>
+template <typename T, typename KvT, int kHeadDim, Variant kVariant>
 cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
-  using Cfg = decode::Config<T, kHeadDim>;
+  using Cfg = decode::Config<T, KvT, kHeadDim>;
   const int64_t tiles = int64_t(p.kv_heads) * decode_row_tiles(p.seqlen_q, p.heads, p.kv_heads);
   const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads;
   if (tiles > kMaxGridYZ || p.batch > kMaxGridYZ || p.splits < 1 || p.splits > kMaxDecodeSplits ||
@@ -66,7 +66,7 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   }
   auto launch = [&] {
     if constexpr (kHeadDim <= 128) {
-      using OneAnSmCfg = decode::Config<T, kHeadDim, true>;
+      using OneAnSmCfg = decode::Config<T, KvT, kHeadDim, true>;
       const DeviceLimits device = current_device_limits();
       // Over half an SM's shared memory: no second CTA fits beside it.
       const int smem = std::max(OneAnSmCfg::kSmemBytes, device.smem_per_sm / 2 + 1);

@@ -1,5 +1,5 @@
 // Launchers of the Turing family (sm_75): the mma.sync kernels with Turing's tiles and
-// instructions (sm80/traits.cuh with Isa::kSm75), fp16 at head dims 64, 96 and 128, no bias.
+// instructions (sm80/config.cuh with Isa::kSm75), fp16 at head dims 64, 96 and 128, no bias.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,7 +7,7 @@
 #include "common/bwd_preprocess.cuh"
 #include "common/params.h"
 #include "launch/run_sm80.cuh"
-#include "sm80/traits.cuh"
+#include "sm80/config.cuh"
 
 namespace jax_flash {
 

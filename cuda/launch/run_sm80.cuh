@@ -13,11 +13,11 @@
 #include "launch/device.h"
 #include "sm80/bwd_kernels.cuh"
 #include "sm80/fwd_kernel.cuh"
-#include "sm80/traits.cuh"
+#include "sm80/config.cuh"
 
 namespace jax_flash {
 
-// The mma.sync forward with the given tiles (traits.cuh: the sm80 or the Turing family's).
+// The mma.sync forward with the given tiles (config.cuh: the sm80 or the Turing family's).
 template <typename Cfg, Variant kVariant>
 cudaError_t launch_fwd_mma(const FwdParams& p, cudaStream_t stream) {
   auto kernel = sm80::fwd_kernel<Cfg, kVariant>;
@@ -34,7 +34,7 @@ cudaError_t run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
   return launch_fwd_mma<sm80::FwdConfig<T, kHeadDim, kVariant>, kVariant>(p, stream);
 }
 
-// The mma.sync backward with the given tiles (traits.cuh), then dQ out of its accumulator.
+// The mma.sync backward with the given tiles (config.cuh), then dQ out of its accumulator.
 template <typename Cfg, Variant kVariant>
 cudaError_t launch_bwd_mma(const BwdParams& p, cudaStream_t stream) {
   auto kernel = sm80::bwd_dkdv_kernel<Cfg, kVariant>;

@@ -4,7 +4,7 @@
 //    H <= 64) of every query head of the GQA group, so dK/dV of a group are summed without
 //    atomics and written once.
 //    Per step: S and dP, then P and dS go to shared memory, where dV += P^T dO, dK += dS^T Q
-//    and dQ = dS K each read them with their own warp grid (traits.cuh). The next step's Q and
+//    and dQ = dS K each read them with their own warp grid (config.cuh). The next step's Q and
 //    dO load during this one's products (or, with one stage, during dQ's). dQ needs the
 //    contributions of every key block, so each CTA adds its share into the fp32 accumulator
 //    with atomics: the separate-kernel alternative would compute S and dP a second time (7
@@ -30,7 +30,7 @@
 #include "sm80/bwd/probabilities.cuh"
 #include "sm80/bwd/products.cuh"
 #include "sm80/bwd/step_loads.cuh"
-#include "sm80/traits.cuh"
+#include "sm80/config.cuh"
 
 namespace jax_flash::sm80 {
 
@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_dkdv_kernel(const BwdPar
   if (steps > 0) prefetch(cur, 0);
   ptx::cp_async_commit();
 
-  // This warp's tiles in the three warp grids (traits.cuh).
+  // This warp's tiles in the three warp grids (config.cuh).
   const int sdp_m = warp / Cfg::kSdpWarpsN * Cfg::kSdpRowsPerWarp, sdp_n = warp % Cfg::kSdpWarpsN * 32;
   const int dkv_n = warp / Cfg::kDkvWarpsD * 32, dkv_d = warp % Cfg::kDkvWarpsD * (kHeadDim / Cfg::kDkvWarpsD);
   const int dq_m = warp / Cfg::kDqWarpsD * Cfg::kDqRowsPerWarp;

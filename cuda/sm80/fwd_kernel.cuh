@@ -26,7 +26,7 @@
 #include "sm80/fwd/block_logits.cuh"
 #include "sm80/fwd/epilogue.cuh"
 #include "sm80/fwd/products.cuh"
-#include "sm80/traits.cuh"
+#include "sm80/config.cuh"
 
 namespace jax_flash::sm80 {
 
@@ -199,7 +199,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
     }
   }
 
-  store_output<Cfg>(acc_o, row_max, row_sum, logits.unit, sQ, gO, gLse, q_row_stride, rows_valid, warp_row0, lane);
+  store_output<Cfg>(acc_o, row_max, row_sum, logits.unit, p, head, sQ, gO, gLse, q_row_stride, rows_valid, warp_row0,
+                    lane);
 }
 
 }  // namespace jax_flash::sm80

@@ -32,6 +32,7 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "sm90/bwd/config.cuh"
 #include "sm90/bwd/dq_exchange.cuh"
 #include "sm90/bwd/dq_loads.cuh"
 #include "sm90/bwd/dq_shared_memory.cuh"
@@ -41,32 +42,6 @@
 #include "sm90/common/ignored_rows.cuh"
 
 namespace jax_flash::sm90 {
-
-template <typename T_, int kHeadDim_ = 256, int kValueDim_ = kHeadDim_>
-struct BwdDqConfig {
-  using T = T_;
-  static constexpr int kHeadDim = kHeadDim_, kValueDim = kValueDim_;  // of Q, K and dQ; of V and dO
-  static_assert(kHeadDim % 64 == 0 && kValueDim % 64 == 0 && kHeadDim <= 256, "whole 64-column panels");
-  static constexpr int kConsumers = 2;
-  static constexpr int kBlockM = 64;                      // queries a CTA
-  static constexpr int kBlockN = 64;                      // keys a stage
-  static constexpr int kHalfN = kBlockN / kConsumers;     // keys a consumer
-  static constexpr int kStages = 2;
-  static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kPanels = kHeadDim / 64, kValuePanels = kValueDim / 64;  // 64-column panels of 128-byte rows
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2, kDoBytes = kBlockM * kValueDim * 2;
-  static constexpr int kKBytes = kBlockN * kHeadDim * 2, kVBytes = kBlockN * kValueDim * 2;  // one stage
-  static constexpr int kQ = 0, kDo = kQBytes, kK = kDo + kDoBytes, kV = kK + kStages * kKBytes;
-  static constexpr int kBarriers = kV + kStages * kVBytes;
-  static constexpr int kSmemBytes = kBarriers + 8 * (1 + 4 * kStages) + 1024;
-  // The consumers' exchange of dQ halves at the end reuses the K/V stages: a quarter of dQ's
-  // columns a thread, each way.
-  static_assert(2 * 128 * (kHeadDim / 4) * 4 <= kStages * (kKBytes + kVBytes), "exchange buffer inside the stages");
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= ptx::launch_registers(kThreads),
-                "registers at launch");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
-};
 
 // The launcher builds these maps for bwd_wide_kernel (boxes of 64 rows for q, dO, k and v), which
 // are the boxes this kernel loads: it takes the same BwdTensorMaps.

@@ -36,6 +36,7 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/ptx_sm90.cuh"
+#include "sm90/bwd/config.cuh"
 #include "sm90/bwd/wide_epilogue.cuh"
 #include "sm90/bwd/wide_products.cuh"
 #include "sm90/bwd/wide_shared_memory.cuh"
@@ -44,45 +45,6 @@
 #include "sm90/common/ignored_rows.cuh"
 
 namespace jax_flash::sm90 {
-
-template <typename T_, int kHeadDim_ = 256, int kValueDim_ = kHeadDim_>
-struct BwdWideConfig {
-  using T = T_;
-  static constexpr int kHeadDim = kHeadDim_, kValueDim = kValueDim_;  // of Q and K; of V and dO
-  static_assert(kHeadDim % 64 == 0 && kValueDim % 64 == 0 && kValueDim <= kHeadDim && kHeadDim <= 256,
-                "whole 64-column panels, V no wider than K");
-  static constexpr int kConsumers = 2;
-  static constexpr int kBlockN = 64;    // keys a CTA
-  static constexpr int kBlockM = 64;    // queries a step
-  static_assert(kStatsRowMultiple % kBlockM == 0, "statistics rows are padded to whole query blocks");
-  static constexpr int kStages = 2;
-  static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kPanels = kHeadDim / 64, kValuePanels = kValueDim / 64;  // 64-column panels of 128-byte rows
-  static constexpr int kKBytes = kBlockN * kHeadDim * 2, kVBytes = kBlockN * kValueDim * 2;
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2, kDoBytes = kBlockM * kValueDim * 2;  // one stage
-  static constexpr int kTileBytes = kBlockM * kBlockN * 2;  // P or dS: [query][key], one panel
-  static constexpr int kStatBytes = kBlockM * 4;
-  static constexpr int kK = 0, kV = kKBytes, kQ = kV + kVBytes, kDo = kQ + kStages * kQBytes;
-  // P and dS have two buffers each: a step's are stored while the other consumer's products of
-  // the step before may still read the last ones.
-  static constexpr int kP = kDo + kStages * kDoBytes, kDs = kP + 2 * kTileBytes;
-  static constexpr int kLse = kDs + 2 * kTileBytes, kDelta = kLse + kStages * kStatBytes;
-  static constexpr int kBarriers = kDelta + kStages * kStatBytes;
-  static constexpr int kBiasRegionBytes = 0;  // no bias tiles (make_bwd_tensor_maps)
-  static constexpr int kSmemBytes = kBarriers + 8 * (1 + 4 * kStages) + 1024;
-  // The m64 tiles of head-dim rows of dV^T (kValuePanels) and dK^T (kPanels), interleaved by
-  // rows (dV^T 0, dK^T 0, dV^T 64, ...): consumer 0 holds the first kTiles0, consumer 1 the
-  // other kTiles1, 32 registers each.
-  static constexpr int kTiles = kValuePanels + kPanels, kTiles0 = (kTiles + 1) / 2, kTiles1 = kTiles / 2;
-  static constexpr bool tile_is_dk(int tile) { return tile < 2 * kValuePanels ? tile % 2 : true; }
-  static constexpr int tile_row0(int tile) {
-    return 64 * (tile < 2 * kValuePanels ? tile / 2 : tile - kValuePanels);
-  }
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= ptx::launch_registers(kThreads),
-                "registers at launch");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
-};
 
 // kBiasGrad, kBiasCapped (kBias only): dbias wanted, a soft cap; kernels of their own
 // (bwd_kernel.cuh says why).

@@ -160,7 +160,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const RowTotal total = split.total(own[r], r);
-    const float inv = total.inv();
+    const float inv = total.inv(row_max[r], logits.unit, extra_logit(p, head));
     if (rows[r] < rows_valid) {
 #pragma unroll
       for (int c = 0; c < kOChunks; ++c)
@@ -172,7 +172,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
         }
       if (consumer == 0 && rank == 0 && lane % 4 == 0) {
         p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_first + rows[r]] =
-            total.lse(row_max[r], logits.unit);
+            total.lse(row_max[r], logits.unit, extra_logit(p, head));
       }
     }
   }

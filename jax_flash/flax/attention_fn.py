@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
 import jax_flash

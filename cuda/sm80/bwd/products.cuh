@@ -1,5 +1,5 @@
 // The mma.sync backward's S and dP products of one step, a warp's share in its warp grid
-// (traits.cuh), operands in shared memory through fragment walks (common/tile.cuh). (dK, dV and
+// (config.cuh), operands in shared memory through fragment walks (common/tile.cuh). (dK, dV and
 // dQ's products stay in the kernel: moved here, they changed its register allocation and spills.)
 #pragma once
 
