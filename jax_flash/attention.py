@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jax_flash import cuda_impl, cudnn_fallback, dense_impl, xla_impl
+from jax_flash import _sinks, cuda_impl, cudnn_fallback, dense_impl, xla_impl
 from jax_flash._validation import Call, validate
 
 
@@ -22,6 +22,7 @@ def attention(
     implementation: Literal["xla", "cuda"] | None = None,
     return_residual: Literal[False] = False, softcap: float | None = None,
     q_segment_ids: ArrayLike | None = None, kv_segment_ids: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
 ) -> jax.Array: ...  # fmt: skip
 
 
@@ -35,6 +36,7 @@ def attention(
     implementation: Literal["xla", "cuda"] | None = None,
     return_residual: Literal[True] = ..., softcap: float | None = None,
     q_segment_ids: ArrayLike | None = None, kv_segment_ids: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
 ) -> tuple[jax.Array, jax.Array]: ...  # fmt: skip
 
 
@@ -55,11 +57,12 @@ def attention(
     softcap=None,
     q_segment_ids=None,
     kv_segment_ids=None,
+    sinks=None,
 ):
     r"""Scaled dot-product attention, computed blockwise (FlashAttention) in O(seqlen) memory.
 
     A drop-in for `jax.nn.dot_product_attention` (same argument names, shapes and meaning), with
-    two extras (`softcap`, segment ids). For each head it computes::
+    three extras (`softcap`, segment ids, `sinks`). For each head it computes::
 
         logits = softcap * tanh(scale * Q K^T / softcap) + bias     (without softcap: scale * Q K^T + bias)
         output = softmax(where(visible, logits, -inf)) V
@@ -109,6 +112,13 @@ def attention(
       softcap: optional logit soft cap (> 0 and at most 1e30), as in Gemma 2.
       q_segment_ids: int `[B, T]`; with `kv_segment_ids` (int `[B, S]`), a query sees only keys
         of its own segment (packed documents).
+      sinks: optional float `[N]`, one logit per query head (gpt-oss's attention sinks): it joins
+        every row's softmax as a key with no value, `output = sum_j e^{l_j} v_j / (e^{sink} +
+        sum_j e^{l_j})`, used as given (no scale, cap or bias), in float32. Differentiable. The
+        log-sum-exp of `return_residual` then includes it; a row that sees no key gets output 0
+        and lse = its sink. Every path computes the attention first and the sink enters once,
+        from the lse (jax_flash/_sinks.py): on the kernels that costs one more pass over the
+        output (not yet fused into their softmax).
 
     A query row that sees no key (padding, segments, windows, masks) gets output 0 and
     log-sum-exp `-inf`, and passes no gradient; never NaN. Empty inputs are taken as
@@ -126,7 +136,11 @@ def attention(
         implementation=implementation, return_residual=return_residual, softcap=softcap,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
     )  # fmt: skip
-    return attend(call, implementation, return_residual)
+    sinks = _sinks.check(sinks, call.query.shape[2])
+    if sinks is None:
+        return attend(call, implementation, return_residual)
+    out, lse = _sinks.apply(*attend(call, implementation, return_residual=True), sinks)
+    return (out, lse) if return_residual else out
 
 
 def attend(call: Call, implementation: str | None, return_residual: bool):
@@ -169,8 +183,12 @@ def chosen_implementation(query, key, value, bias=None, mask=None, **kwargs) -> 
     reasons = []
 
     def trace(query, key, value, bias, mask):
-        call = validate(query, key, value, bias, mask, **_with_defaults(kwargs))
-        path, _ = route(call, kwargs.get("implementation"), kwargs.get("return_residual", False))
+        options = _with_defaults(kwargs)
+        sinks = options.pop("sinks")
+        call = validate(query, key, value, bias, mask, **options)
+        sinks = _sinks.check(sinks, call.query.shape[2])
+        # With sinks every path returns its lse (cuDNN's does not).
+        path, _ = route(call, options["implementation"], options["return_residual"] or sinks is not None)
         if path == "xla":
             path = "xla-dense" if dense_impl.fits(call) else "xla-blockwise"
         reasons.append(path)
@@ -182,7 +200,7 @@ def chosen_implementation(query, key, value, bias=None, mask=None, **kwargs) -> 
 
 _OPTIONS = dict(scale=None, is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                 local_window_size=None, implementation=None, return_residual=False, softcap=None,
-                q_segment_ids=None, kv_segment_ids=None)  # fmt: skip
+                q_segment_ids=None, kv_segment_ids=None, sinks=None)  # fmt: skip
 
 
 def _with_defaults(kwargs: dict) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _partition, cuda_impl
+from jax_flash import _partition, _sinks, cuda_impl
 from jax_flash._validation import INPUT_DTYPES, Call, _as_array, _check_lengths, as_clamped_int32, validate
 from jax_flash.attention import attend
 
@@ -97,7 +97,8 @@ def _gathered_call(query, key_pages, value_pages, lengths, page_indices, options
 
 
 def paged_attention(query, key_pages, value_pages, lengths, page_indices, *, scale=None, is_causal=False,
-                    local_window_size=None, softcap=None, return_residual=False, implementation=None):  # fmt: skip
+                    local_window_size=None, softcap=None, return_residual=False, implementation=None,
+                    sinks=None):  # fmt: skip
     """Attention of each sequence's last `T` queries over its tokens in a paged KV cache.
 
     Shape letters as in `jax_flash.attention`; P pages of `page_size` tokens in one pool.
@@ -112,7 +113,7 @@ def paged_attention(query, key_pages, value_pages, lengths, page_indices, *, sca
         `key_pages[page_indices[b, s // page_size], s % page_size]`. Entries past
         `ceil(lengths[b] / page_size)` are ignored. Indices outside `[0, P)` are clamped into it:
         such a page's tokens come from page 0 or `P - 1`, never from outside the pool.
-      scale, is_causal, local_window_size, softcap, return_residual, implementation: as in
+      scale, is_causal, local_window_size, softcap, return_residual, implementation, sinks: as in
         `jax_flash.attention` (the causal diagonal puts the last query on the last token).
 
     Returns:
@@ -121,12 +122,18 @@ def paged_attention(query, key_pages, value_pages, lengths, page_indices, *, sca
     """
     query, key_pages, value_pages, lengths, page_indices = _check_pages(
         query, key_pages, value_pages, lengths, page_indices)  # fmt: skip
+    sinks = _sinks.check(sinks, query.shape[2])
+    # Every path returns its lse here (a gathered cache's lengths keep cuDNN out anyway): the sink
+    # enters from it.
     options = dict(scale=scale, is_causal=is_causal, local_window_size=local_window_size, softcap=softcap,
-                   implementation=implementation, return_residual=return_residual)  # fmt: skip
+                   implementation=implementation, return_residual=True)  # fmt: skip
     call = _gathered_call(query, key_pages, value_pages, lengths, page_indices, options)
     if implementation != "xla" and cuda_impl.paged_reason(call, key_pages.shape[1]) is None:
         out, lse = cuda_impl.paged_attention(call.config, query, key_pages, value_pages, lengths, page_indices)
-        return (out, lse) if return_residual else out
-    keys, values = gather_pages(key_pages, page_indices), gather_pages(value_pages, page_indices)
-    call = _cache_call(query, keys, values, jnp.clip(lengths, 0, keys.shape[1]), options)
-    return attend(call, implementation, return_residual)
+    else:
+        keys, values = gather_pages(key_pages, page_indices), gather_pages(value_pages, page_indices)
+        call = _cache_call(query, keys, values, jnp.clip(lengths, 0, keys.shape[1]), options)
+        out, lse = attend(call, implementation, return_residual=True)
+    if sinks is not None:
+        out, lse = _sinks.apply(out, lse, sinks)
+    return (out, lse) if return_residual else out

@@ -35,8 +35,9 @@ def visibility(b, n, t, s, *, is_causal=False, local_window_size=None, query_seq
     return vis
 
 
-def attention(q, k, v, bias=None, mask=None, *, scale=None, softcap=None, **mask_kwargs):
-    """(output [B, T, N, H], lse [B, T, N]) in float64."""
+def attention(q, k, v, bias=None, mask=None, *, scale=None, softcap=None, sinks=None, **mask_kwargs):
+    """(output [B, T, N, H], lse [B, T, N]) in float64. `sinks` [N]: one more logit in each row's
+    softmax, of a key with no value (the lse includes it)."""
     q, k, v = (jnp.asarray(x, jnp.float64) for x in (q, k, v))
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
@@ -50,12 +51,15 @@ def attention(q, k, v, bias=None, mask=None, *, scale=None, softcap=None, **mask
         logits = logits + jnp.asarray(bias, jnp.float64)
     vis = visibility(b, n, t, s, mask=mask, **mask_kwargs)
     logits = jnp.where(vis, logits, -jnp.inf)
+    if sinks is not None:
+        sink = jnp.broadcast_to(jnp.asarray(sinks, jnp.float64)[None, :, None, None], (b, n, t, 1))
+        logits = jnp.concatenate([logits, sink], axis=-1)
     m = jax.lax.stop_gradient(logits.max(-1, keepdims=True))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(logits - m)
     total = e.sum(-1, keepdims=True)
     p = e / jnp.where(total == 0, 1.0, total)
-    out = jnp.einsum("bnts,bsnd->btnd", p, v)  # the value head dim d may differ from h
+    out = jnp.einsum("bnts,bsnd->btnd", p[..., :s], v)  # the value head dim d may differ from h
     lse = jnp.where(total[..., 0] == 0, -jnp.inf, jnp.log(jnp.where(total[..., 0] == 0, 1.0, total[..., 0])) + m[..., 0])
     return out, lse.transpose(0, 2, 1)
 

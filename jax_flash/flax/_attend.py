@@ -24,16 +24,19 @@ def head_shape(in_features: int, num_heads: int, num_kv_heads: int | None, head_
     return kv_heads, head_dim
 
 
-def attend(module, q, k, v, positions, segment_ids):
-    """q: [batch..., T, N, H], k/v: [batch..., S, K, H] -> [batch..., T, N, H]. Extras that are
-    unset are not passed, so `module.attention` may be jax.nn.dot_product_attention too. Any
-    number of batch axes (none too): they are folded into one for the call."""
+def attend(module, q, k, v, positions, segment_ids, sinks=None):
+    """q: [batch..., T, N, H], k/v: [batch..., S, K, H] -> [batch..., T, N, H]; `sinks`: the
+    module's learned [N] sink logits, or None. Extras that are unset are not passed, so
+    `module.attention` may be jax.nn.dot_product_attention too. Any number of batch axes (none
+    too): they are folded into one for the call."""
     if module.rope:
         q = apply_rotary(q, positions, module.rope_base)
         k = apply_rotary(k, positions, module.rope_base)
     extras = {}
     if module.softcap is not None:
         extras["softcap"] = module.softcap
+    if sinks is not None:
+        extras["sinks"] = sinks
     batch = q.shape[:-3]
     fold = lambda x: x.reshape((math.prod(batch),) + x.shape[-3:])  # noqa: E731
     if segment_ids is not None:

@@ -20,6 +20,7 @@ class MultiHeadAttention(nn.Module):
     is_causal: bool = True
     local_window_size: int | tuple[int, int] | None = None
     softcap: float | None = None
+    sinks: bool = False  # a learned [num_heads] parameter "sinks", initialised to 0
     rope: bool = True
     rope_base: float = 10000.0
     dtype: Any = None
@@ -34,6 +35,7 @@ class MultiHeadAttention(nn.Module):
             (heads, head_dim), use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
             name=name)
         q, k, v = dense(self.num_heads, "query")(x), dense(kv_heads, "key")(x), dense(kv_heads, "value")(x)
-        out = attend(self, q, k, v, positions, segment_ids)
+        sinks = self.param("sinks", nn.initializers.zeros, (self.num_heads,), self.param_dtype) if self.sinks else None
+        out = attend(self, q, k, v, positions, segment_ids, sinks)
         return nn.DenseGeneral(features, axis=(-2, -1), use_bias=False, dtype=self.dtype,
                                param_dtype=self.param_dtype, name="out")(out)  # fmt: skip
