@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _tangent, cuda_impl, xla_impl
+from jax_flash import _sinks, _tangent, cuda_impl, xla_impl
 from jax_flash._validation import Call, validate
 from jax_flash.attention import uses_cuda
 
@@ -69,6 +69,7 @@ def ring_attention(
     is_causal: bool = False,
     scale: float | None = None,
     implementation: str | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a sequence sharded along mesh axis `axis_name`; call it inside `jax.shard_map`.
 
@@ -80,6 +81,8 @@ def ring_attention(
         order over the ring (apply `zigzag` before sharding, `unzigzag` to the output), and T == S
         with T even.
       scale, implementation: as in `jax_flash.attention`, applied to every block.
+      sinks: as in `jax_flash.attention` (`[N]`, one logit per query head, replicated), joined
+        once after the ring's last merge.
 
     Returns:
       This device's slice of the output, `[B, T, N, H]`, like `query`. Differentiable in query,
@@ -99,8 +102,11 @@ def ring_attention(
     if value.shape[-1] != query.shape[-1]:
         raise ValueError(f"ring_attention takes a value head dim equal to the query's ({query.shape[-1]}), "
                          f"got {value.shape[-1]}")  # fmt: skip
+    sinks = _sinks.check(sinks, query.shape[2])
     static = _Static(axis_name, _axis_size(axis_name), is_causal, scale, implementation)
-    return _ring(static, query, key, value)
+    out, lse = _ring(static, query, key, value)
+    # The sink joins once, after the ring's last merge.
+    return out if sinks is None else _sinks.apply(out, lse, sinks)[0]
 
 
 def _axis_size(axis_name: str) -> int:
@@ -127,10 +133,10 @@ def _block_forward(static: _Static, q, k, v, causal: bool):
     return xla_impl.attention(call)
 
 
-def _block_backward(static: _Static, q, k, v, causal: bool, out, lse, d_out):
-    """One block's share of (dq, dk, dv), from the final out and lse of q's rows."""
+def _block_backward(static: _Static, q, k, v, causal: bool, out, lse, d_out, d_lse):
+    """One block's share of (dq, dk, dv), from the final out, lse and their cotangents of q's
+    rows (the whole row's softmax: each block's share of d lse is its probabilities' part)."""
     call = _validate(q, k, v, causal, static.scale, static.implementation)
-    d_lse = jnp.zeros_like(lse)
     if uses_cuda(call, static.implementation):
         return cuda_impl.backward(call, out, lse, d_out, d_lse)
     return xla_impl.backward(call, out, lse, d_out, d_lse)[:3]
@@ -176,19 +182,20 @@ def _step_forward(static: _Static, q, k, v, step: int, rank):
     return jax.lax.cond(source < rank, from_earlier, from_later)
 
 
-def _step_backward(static: _Static, q, k, v, out, lse, d_out, step: int, rank):
+def _step_backward(static: _Static, q, k, v, out, lse, d_out, d_lse, step: int, rank):
     if step == 0 or not static.is_causal:
-        return _block_backward(static, q, k, v, static.is_causal and step == 0, out, lse, d_out)
+        return _block_backward(static, q, k, v, static.is_causal and step == 0, out, lse, d_out, d_lse)
     c = q.shape[1] // 2
     source = (rank - step) % static.axis_size
 
     def from_earlier():
-        dq, dk, dv = _block_backward(static, q, k[:, :c], v[:, :c], False, out, lse, d_out)
+        dq, dk, dv = _block_backward(static, q, k[:, :c], v[:, :c], False, out, lse, d_out, d_lse)
         pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)  # noqa: E731
         return dq, pad(dk), pad(dv)
 
     def from_later():
-        dq, dk, dv = _block_backward(static, q[:, c:], k, v, False, out[:, c:], lse[:, c:], d_out[:, c:])
+        dq, dk, dv = _block_backward(static, q[:, c:], k, v, False, out[:, c:], lse[:, c:], d_out[:, c:],
+                                     d_lse[:, c:])
         return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
 
     return jax.lax.cond(source < rank, from_earlier, from_later)
@@ -200,7 +207,8 @@ def _acc_dtype(x):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _ring(static: _Static, q, k, v):
-    return _ring_forward(static, q, k, v)[0]
+    """(out, lse [B, T, N]) of the ring, both differentiable (the sinks join from the lse)."""
+    return _ring_forward(static, q, k, v)
 
 
 @_ring.defjvp
@@ -208,8 +216,8 @@ def _ring_jvp(static: _Static, primals, tangents):
     # Reverse mode transposes the tangent into the ring's own backward (_ring_bwd); forward mode
     # evaluates it as the forward's jvp (each block's tangent by its attention's own rule).
     out, lse = _ring_forward(static, *primals)
-    d_out, _ = _TANGENT(static, _RING_LAYOUT, primals, out, lse, tangents)
-    return out, d_out
+    d_out, d_lse = _TANGENT(static, _RING_LAYOUT, primals, out, lse, tangents)
+    return (out, lse), (d_out, d_lse)
 
 
 def _ring_tangent(static: _Static, primals, out, lse, tangents):
@@ -233,7 +241,7 @@ def _ring_forward(static: _Static, q, k, v):
 
 
 def _ring_bwd(static: _Static, primals, out, lse, d_out, d_lse, needed):
-    """(dq, dk, dv); the lse is no output of the ring, so d_lse is zero."""
+    """(dq, dk, dv) from the cotangents of the ring's output and lse."""
     q, k, v = primals
     rank = jax.lax.axis_index(static.axis_name)
     acc_dtype = _acc_dtype(q)
@@ -241,7 +249,7 @@ def _ring_bwd(static: _Static, primals, out, lse, d_out, d_lse, needed):
     dk, dv = jnp.zeros(k.shape, acc_dtype), jnp.zeros(v.shape, acc_dtype)
     for step in range(static.axis_size):
         arriving = _shift(static, k, v) if step + 1 < static.axis_size else None
-        dq_b, dk_b, dv_b = _step_backward(static, q, k, v, out, lse, d_out, step, rank)
+        dq_b, dk_b, dv_b = _step_backward(static, q, k, v, out, lse, d_out, d_lse, step, rank)
         dq, dk, dv = dq + dq_b, dk + dk_b, dv + dv_b
         # dK and dV travel with their slice; after the last step one hop takes them home.
         dk, dv = _shift(static, dk, dv)

@@ -62,6 +62,30 @@ def test_ring_matches_single_device(is_causal, heads):
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_ring_with_sinks_matches_float64(is_causal):
+    """Sinks join once, after the ring's last merge: output and gradients (d sinks too, and the
+    ring's backward now taking the lse's cotangent) against the float64 reference."""
+    mesh = _mesh()
+    rng = rng_for("ring-sinks", is_causal)
+    q, k, v = qkv(rng, jnp.float32, 2, 64, 64, 4, 2, 16)
+    sinks = jnp.asarray(rng.normal(size=(4,)) * 2, jnp.float32)
+    spec = P(None, "sp", None, None)
+    ring = shard_map(lambda q, k, v, s: jax_flash.ring_attention(q, k, v, axis_name="sp", is_causal=is_causal,
+                                                                 sinks=s, implementation="xla"),
+                     mesh=mesh, in_specs=(spec, spec, spec, P()), out_specs=spec)  # fmt: skip
+    order = (lambda x: jax_flash.zigzag(x, RING)) if is_causal else (lambda x: x)
+    restore = (lambda x: jax_flash.unzigzag(x, RING)) if is_causal else (lambda x: x)
+    cotangent = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    ours = lambda q, k, v, s: restore(ring(order(q), order(k), order(v), s))  # noqa: E731
+    ref = lambda q, k, v, s: reference.attention(q, k, v, is_causal=is_causal, sinks=s)[0]  # noqa: E731
+    assert reference.rel_error(jax.jit(ours)(q, k, v, sinks), ref(q, k, v, sinks)) < 1e-5
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * cotangent), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    refs = jax.grad(lambda *a: jnp.sum(ref(*a) * cotangent), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    for name, mine, theirs in zip(("dq", "dk", "dv", "dsinks"), grads, refs, strict=True):
+        assert reference.rel_error(mine, theirs) < 1e-4, name
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_ring_forward_mode_matches_single_device(is_causal):
     """jax.jvp through the ring: each block's tangent by its attention's rule, merged as the
     outputs are; the gradient still comes from the ring's backward (the test above)."""
