@@ -167,3 +167,14 @@ def test_the_decode_fraction_is_of_this_devices_hbm_peak(monkeypatch, kind, peak
     assert rate == peak and (("not known" in name) == (kind == "cpu"))
     row = {"batch": 1, "cache": 1024, "queries": 1, "impl": "jax_flash", "seconds": 1e-3, "bytes_per_second": peak / 2}
     assert "(50%)" in decode.table([row, {**row, "impl": "xla"}])
+
+
+def test_sinks_benchmark(capsys):
+    """--sinks: both gpt-oss layer kinds and a decode step, each timed with sinks against without
+    in one run (a ratio a row)."""
+    rows = cli.main(["--sinks"])
+    assert [(r["kind"], r["layer"]) for r in rows] == [
+        ("training", "window 128"), ("training", "full causal"), ("decode", "batch 1, cache 256")]
+    assert all(r["fwd_ratio"] > 0 and r["fwd"] > 0 for r in rows)
+    assert all(r["fwd_bwd_ratio"] > 0 for r in rows if r["kind"] == "training")
+    assert "fwd + bwd: with / without" in capsys.readouterr().out

@@ -1,5 +1,5 @@
 """`python -m jax_flash.bench`: the command line over the benchmark's tables (training.py, masks.py,
-ring.py, decode.py)."""
+ring.py, decode.py, sinks.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import jax
 
-from jax_flash.bench import decode, masks, ring, training
+from jax_flash.bench import decode, masks, ring, sinks, training
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m jax_flash.bench", description=training.__doc__,
@@ -24,6 +24,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--masks", action="store_true", help="time masks and the soft cap against causal instead")
     parser.add_argument("--ring", action="store_true", help="time ring attention over every GPU instead")
     parser.add_argument("--decode", action="store_true", help="time decode steps against a KV cache instead")
+    parser.add_argument("--sinks", action="store_true", help="time gpt-oss's attention with sinks against without")
     parser.add_argument("--ring-seqlen", type=int, default=32768, help="tokens per device for --ring")
     args = parser.parse_args(argv)
     if args.ring:
@@ -31,6 +32,12 @@ def main(argv=None) -> list[dict]:
         print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}, jax {jax.__version__}, "
               f"{args.ring_seqlen} tokens per device, 16 heads, d = 128, bf16")
         print(ring.table(rows))
+        return rows
+    if args.sinks:
+        rows = sinks.run()
+        print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {sinks.HEADS} / {sinks.KV_HEADS} "
+              f"heads, d = {sinks.HEAD_DIM} (gpt-oss)")
+        print(sinks.table(rows))
         return rows
     if args.decode:
         rows = decode.run()

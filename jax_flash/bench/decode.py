@@ -49,9 +49,12 @@ class DecodeShape:
     batch: int
     cache: int
     queries: int
+    heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    head_dim: int = HEAD_DIM
 
     def kv_bytes(self, dtype) -> int:
-        return 2 * self.batch * self.cache * KV_HEADS * HEAD_DIM * jnp.dtype(dtype).itemsize
+        return 2 * self.batch * self.cache * self.kv_heads * self.head_dim * jnp.dtype(dtype).itemsize
 
 
 def grid(on_gpu: bool) -> list[DecodeShape]:
@@ -149,10 +152,10 @@ def measure(shape: DecodeShape, dtype, impls: dict, rounds: int = 6, calls_per_d
     copies = max(1, min(64, -(-COLD_BYTES // shape.kv_bytes(dtype)))) if on_gpu else 1
     query_sets = -(-calls_per_dispatch // copies)
     keys = jax.random.split(jax.random.key(shape.batch * 31 + shape.cache + shape.queries), 2 * copies + query_sets)
-    kv_shape = (shape.batch, shape.cache, KV_HEADS, HEAD_DIM)
+    kv_shape = (shape.batch, shape.cache, shape.kv_heads, shape.head_dim)
     caches = [(jax.random.normal(keys[2 * i], kv_shape, dtype), jax.random.normal(keys[2 * i + 1], kv_shape, dtype))
               for i in range(copies)]  # fmt: skip
-    q_shape = (shape.batch, shape.queries, HEADS, HEAD_DIM)
+    q_shape = (shape.batch, shape.queries, shape.heads, shape.head_dim)
     queries = [jax.random.normal(key, q_shape, dtype) for key in keys[2 * copies :]]
     lengths = jnp.full((shape.batch,), shape.cache, jnp.int32)
     args = (lengths, queries, caches)

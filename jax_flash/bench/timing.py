@@ -18,6 +18,7 @@ class Shape:
     batch: int
     heads: int
     value_head_dim: int | None = None  # None: head_dim
+    kv_heads: int | None = None  # None: heads
 
     @property
     def dv(self) -> int:
@@ -146,8 +147,9 @@ def measure(impls: dict[str, Callable], shape: Shape, dtype, rounds: int = ROUND
     back to back and a drift of the clocks during a round favours neither."""
     keys = jax.random.split(jax.random.key(shape.seqlen * 7 + shape.head_dim), 4)
     dims = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
-    value_dims = dims[:3] + (shape.dv,)
-    q, k, v, do = (jax.random.normal(key, d, dtype) for key, d in zip(keys, (dims, dims, value_dims, value_dims)))
+    kv_dims = dims[:2] + (shape.kv_heads or shape.heads, shape.head_dim)
+    value_dims, out_dims = kv_dims[:3] + (shape.dv,), dims[:3] + (shape.dv,)
+    q, k, v, do = (jax.random.normal(key, d, dtype) for key, d in zip(keys, (dims, kv_dims, value_dims, out_dims)))
     fwd_args, fwd_bwd_args = (q, k, v), (q, k, v, do)
     loops = {}  # name -> (fwd, calls, fwd_bwd, calls); fwd or fwd_bwd None where it fails
     for name, attn in impls.items():
