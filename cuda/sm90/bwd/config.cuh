@@ -10,6 +10,13 @@
 
 namespace jax_flash::sm90 {
 
+// Whether a backward config's warp groups (one producer, the consumers) get their registers at
+// launch (setmaxnreg moves them between the groups later) and its shared memory fits one CTA.
+constexpr bool fits_one_cta(int threads, int consumers, int producer_regs, int consumer_regs, int smem_bytes) {
+  return 128 * producer_regs + 128 * consumers * consumer_regs <= ptx::launch_registers(threads) &&
+         smem_bytes <= 227 * 1024;
+}
+
 // kBias_: the kBias kernel's layout, with a region where the bias and mask tiles of the steps are
 // staged (bwd_bias_tiles.cuh), in place of dQ's second buffers.
 template <typename T_, int kHeadDim_, int kBlockM_ = kHeadDim_ == 64 ? 128 : 64, bool kBias_ = false>
@@ -71,9 +78,7 @@ struct BwdConfig {
   static constexpr int kSmemBytes =
       kBarriers + 8 * (1 + 4 * kStages + 2 * kConsumers * kDqBuffers + (kBias_ ? 4 : 0)) + 1024;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= ptx::launch_registers(kThreads),
-                "registers at launch");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+  static_assert(fits_one_cta(kThreads, kConsumers, kProducerRegs, kConsumerRegs, kSmemBytes), "registers, shared memory");
 };
 
 // The wide backward's dK and dV kernel: 64 keys a CTA, two consumers that split dK^T and dV^T's
@@ -112,9 +117,7 @@ struct BwdWideConfig {
     return 64 * (tile < 2 * kValuePanels ? tile / 2 : tile - kValuePanels);
   }
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= ptx::launch_registers(kThreads),
-                "registers at launch");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+  static_assert(fits_one_cta(kThreads, kConsumers, kProducerRegs, kConsumerRegs, kSmemBytes), "registers, shared memory");
 };
 
 // The wide backward's dQ kernel: 64 queries a CTA, two consumers of 32 keys a stage each.
@@ -139,9 +142,7 @@ struct BwdDqConfig {
   // columns a thread, each way.
   static_assert(2 * 128 * (kHeadDim / 4) * 4 <= kStages * (kKBytes + kVBytes), "exchange buffer inside the stages");
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= ptx::launch_registers(kThreads),
-                "registers at launch");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+  static_assert(fits_one_cta(kThreads, kConsumers, kProducerRegs, kConsumerRegs, kSmemBytes), "registers, shared memory");
 };
 
 }  // namespace jax_flash::sm90
