@@ -23,17 +23,13 @@ from jax_flash._masks import KernelMasks, kernel_masks
 from jax_flash._validation import AttentionConfig, Call
 
 FWD_HEAD_DIMS = _contract.FWD_HEAD_DIMS
-BWD_HEAD_DIMS = _contract.BWD_HEAD_DIMS  # 192 runs the 256 kernels, zero-padded, but on Hopper:
-# head dims whose backward kernels run only there, without a bias or mask (_plan.backward_head_dims).
-HOPPER_BWD_HEAD_DIMS = _contract.BWD_SM90_NO_BIAS_HEAD_DIMS
+BWD_HEAD_DIMS = _contract.BWD_HEAD_DIMS  # 192 runs the 256 kernels, zero-padded, but on Hopper's own
+# without a bias or mask (_plan.backward_head_dims, which also has the (192, 128) pairs').
 # Above 256: the forward alone (Hopper's or the mma.sync one; no bias or mask); the gradients from
 # the xla path's backward. Above 512 Hopper's alone (pairs of CTAs that split the head dim).
 WIDE_FWD_HEAD_DIMS = _contract.FWD_SM90_WIDE_HEAD_DIMS
 SM80_WIDE_FWD_HEAD_DIMS = _contract.FWD_SM80_WIDE_HEAD_DIMS
 assert WIDE_FWD_HEAD_DIMS[: len(SM80_WIDE_FWD_HEAD_DIMS)] == SM80_WIDE_FWD_HEAD_DIMS, "the mma.sync ones are Hopper's first"
-# (query/key, value) head dims with a forward kernel and a backward of their own (Hopper; no bias or mask).
-UNEQUAL_FWD_HEAD_DIMS = _contract.FWD_SM90_UNEQUAL_HEAD_DIMS
-UNEQUAL_BWD_HEAD_DIMS = _contract.BWD_SM90_UNEQUAL_HEAD_DIMS
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16)
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 # The oldest GPU our kernel families run on: Turing (7.5), whose family (fp16 only, no bf16 tensor
