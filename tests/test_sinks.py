@@ -176,3 +176,17 @@ def test_the_flax_modules_learn_their_sinks():
     assert "sinks" not in flax_linen.MultiHeadAttention(num_heads=4).init(jax.random.key(0), x)["params"]
     g = jax.grad(lambda p: jnp.sum(linen.apply(p, x) ** 2))(params)["params"]["sinks"]
     assert np.any(np.asarray(g) != 0)
+
+
+def test_decode_kernels_path(monkeypatch):
+    """T = 1 against a cache on the CUDA path (the decode kernels, as the fake kernels stand in for
+    them): the sink joins their output and lse once."""
+    calls = fake_kernels.record_calls(monkeypatch)
+    monkeypatch.setattr(_decode, "sm_count", lambda: 132)
+    rng, q, k, v, sinks = _inputs("decode", 1, 64, jnp.float16)
+    lengths = jnp.asarray([64, 23], jnp.int32)
+    kw = dict(is_causal=True, key_value_seq_lengths=lengths)
+    out, lse = jax_flash.attention(q, k, v, sinks=sinks, implementation="cuda", return_residual=True, **kw)
+    assert [target for target, _ in calls] == ["jax_flash_decode"]
+    ref_out, ref_lse = reference.attention(q, k, v, sinks=sinks, **kw)
+    assert reference.rel_error(out, ref_out) < 2e-2 and reference.rel_error(lse, ref_lse) < 1e-3
