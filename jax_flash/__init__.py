@@ -1,8 +1,9 @@
 """jax_flash: FlashAttention for JAX, with CUDA kernels and a pure-JAX blockwise path."""
 
+from jax_flash._fp8 import quantize_kv
 from jax_flash.attention import attention, chosen_implementation
 from jax_flash.paged import paged_attention
 from jax_flash.ring import ring_attention, unzigzag, zigzag
 
-__all__ = ["attention", "chosen_implementation", "paged_attention", "ring_attention", "unzigzag", "zigzag"]
+__all__ = ["attention", "chosen_implementation", "paged_attention", "quantize_kv", "ring_attention", "unzigzag", "zigzag"]
 __version__ = "0.1.0"

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jax_flash import _sinks, cuda_impl, cudnn_fallback, dense_impl, xla_impl
+from jax_flash import _fp8, _sinks, cuda_impl, cudnn_fallback, dense_impl, xla_impl
 from jax_flash._validation import Call, validate
 
 
@@ -23,6 +23,7 @@ def attention(
     return_residual: Literal[False] = False, softcap: float | None = None,
     q_segment_ids: ArrayLike | None = None, kv_segment_ids: ArrayLike | None = None,
     sinks: ArrayLike | None = None,
+    key_scale: ArrayLike | None = None, value_scale: ArrayLike | None = None,
 ) -> jax.Array: ...  # fmt: skip
 
 
@@ -37,6 +38,7 @@ def attention(
     return_residual: Literal[True] = ..., softcap: float | None = None,
     q_segment_ids: ArrayLike | None = None, kv_segment_ids: ArrayLike | None = None,
     sinks: ArrayLike | None = None,
+    key_scale: ArrayLike | None = None, value_scale: ArrayLike | None = None,
 ) -> tuple[jax.Array, jax.Array]: ...  # fmt: skip
 
 
@@ -58,6 +60,8 @@ def attention(
     q_segment_ids=None,
     kv_segment_ids=None,
     sinks=None,
+    key_scale=None,
+    value_scale=None,
 ):
     r"""Scaled dot-product attention, computed blockwise (FlashAttention) in O(seqlen) memory.
 
@@ -119,6 +123,13 @@ def attention(
         and lse = its sink. Every path computes the attention first and the sink enters once,
         from the lse (jax_flash/_sinks.py): on the kernels that costs one more pass over the
         output (not yet fused into their softmax).
+      key_scale, value_scale: with `key` and `value` in `float8_e4m3fn` or `float8_e5m2` (both the
+        same; a KV cache written by `jax_flash.quantize_kv`), float32 scalars or `[K]` (one per kv
+        head), default 1: the keys and values used are `key.astype(float32) * key_scale` and
+        likewise. The query stays float16/bfloat16 (or float32/float64), and so does the output.
+        Every path converts the keys and values to the query's dtype first (one elementwise pass
+        over them, read at 1 byte and written at 2 per element), then attends; such a call is
+        forward only (differentiating it raises a `ValueError`). Beyond `jax.nn`.
 
     A query row that sees no key (padding, segments, windows, masks) gets output 0 and
     log-sum-exp `-inf`, and passes no gradient; never NaN. Empty inputs are taken as
@@ -129,6 +140,14 @@ def attention(
       The output, `[B, T, N, Hv]` (shaped like `query` when `Hv == H`) in the dtype of `query`; with
       `return_residual`, `(output, lse)`.
     """
+    if _fp8.is_fp8(key) or _fp8.is_fp8(value) or key_scale is not None or value_scale is not None:
+        key_scale, value_scale = _fp8.check(query, key, value, key_scale, value_scale)
+        if key_scale is not None:
+            options = dict(mask=mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+                           key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+                           implementation=implementation, return_residual=return_residual, softcap=softcap,
+                           q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)  # fmt: skip
+            return _over_fp8(query, key, value, bias, sinks, key_scale, value_scale, options)
     call = validate(
         query, key, value, bias, mask,
         scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
@@ -141,6 +160,18 @@ def attention(
         return attend(call, implementation, return_residual)
     out, lse = _sinks.apply(*attend(call, implementation, return_residual=True), sinks)
     return (out, lse) if return_residual else out
+
+
+def _over_fp8(query, key, value, bias, sinks, key_scale, value_scale, options: dict):
+    """`attention` over fp8 keys and values: converted to the query's dtype, then attended; forward
+    only. The differentiable float inputs are the custom_jvp's arguments (the integer and boolean
+    ones stay in `options`), so that any derivative asked of the call is refused."""
+
+    def over_converted(query, key, value, bias, sinks, key_scale, value_scale):
+        key, value = (_fp8.dequantize(x, s, query.dtype) for x, s in ((key, key_scale), (value, value_scale)))
+        return attention(query, key, value, bias, sinks=sinks, **options)
+
+    return _fp8.forward_only(over_converted, jnp.asarray(query), key, value, bias, sinks, key_scale, value_scale)
 
 
 def attend(call: Call, implementation: str | None, return_residual: bool):
@@ -184,7 +215,10 @@ def chosen_implementation(query, key, value, bias=None, mask=None, **kwargs) -> 
 
     def trace(query, key, value, bias, mask):
         options = _with_defaults(kwargs)
-        sinks = options.pop("sinks")
+        sinks, key_scale, value_scale = (options.pop(name) for name in ("sinks", "key_scale", "value_scale"))
+        key_scale, value_scale = _fp8.check(query, key, value, key_scale, value_scale)
+        if key_scale is not None:  # converted first (attention's docstring)
+            key, value = (_fp8.dequantize(x, s, query.dtype) for x, s in ((key, key_scale), (value, value_scale)))
         call = validate(query, key, value, bias, mask, **options)
         sinks = _sinks.check(sinks, call.query.shape[2])
         # With sinks every path returns its lse (cuDNN's does not).
@@ -200,7 +234,7 @@ def chosen_implementation(query, key, value, bias=None, mask=None, **kwargs) -> 
 
 _OPTIONS = dict(scale=None, is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                 local_window_size=None, implementation=None, return_residual=False, softcap=None,
-                q_segment_ids=None, kv_segment_ids=None, sinks=None)  # fmt: skip
+                q_segment_ids=None, kv_segment_ids=None, sinks=None, key_scale=None, value_scale=None)  # fmt: skip
 
 
 def _with_defaults(kwargs: dict) -> dict:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _partition, _sinks, cuda_impl
+from jax_flash import _fp8, _partition, _sinks, cuda_impl
 from jax_flash._validation import INPUT_DTYPES, Call, _as_array, _check_lengths, as_clamped_int32, validate
 from jax_flash.attention import attend
 
 
-def _check_pages(query, key_pages, value_pages, lengths, page_indices):
+def _check_pages(query, key_pages, value_pages, lengths, page_indices, fp8: bool):
+    """The arguments checked (the pools' dtype against the query's unless `fp8`: _fp8.check
+    paired them)."""
     query, key_pages, value_pages = (
         _as_array(x, name) for x, name in ((query, "query"), (key_pages, "key_pages"), (value_pages, "value_pages"))
     )
@@ -27,7 +29,7 @@ def _check_pages(query, key_pages, value_pages, lengths, page_indices):
     for name, x in (("key_pages", key_pages), ("value_pages", value_pages)):
         if x.ndim != 4:
             raise ValueError(f"{name} must have shape [P, page_size, K, H], got shape {x.shape}")
-        if x.dtype != query.dtype or query.dtype not in INPUT_DTYPES:
+        if not fp8 and (x.dtype != query.dtype or query.dtype not in INPUT_DTYPES):
             allowed = ", ".join(jnp.dtype(d).name for d in INPUT_DTYPES)
             raise TypeError(f"query and {name} must share one dtype of {allowed}, got {query.dtype} and {x.dtype}")
     if value_pages.shape != key_pages.shape:
@@ -98,7 +100,7 @@ def _gathered_call(query, key_pages, value_pages, lengths, page_indices, options
 
 def paged_attention(query, key_pages, value_pages, lengths, page_indices, *, scale=None, is_causal=False,
                     local_window_size=None, softcap=None, return_residual=False, implementation=None,
-                    sinks=None):  # fmt: skip
+                    sinks=None, key_scale=None, value_scale=None):  # fmt: skip
     """Attention of each sequence's last `T` queries over its tokens in a paged KV cache.
 
     Shape letters as in `jax_flash.attention`; P pages of `page_size` tokens in one pool.
@@ -113,27 +115,55 @@ def paged_attention(query, key_pages, value_pages, lengths, page_indices, *, sca
         `key_pages[page_indices[b, s // page_size], s % page_size]`. Entries past
         `ceil(lengths[b] / page_size)` are ignored. Indices outside `[0, P)` are clamped into it:
         such a page's tokens come from page 0 or `P - 1`, never from outside the pool.
-      scale, is_causal, local_window_size, softcap, return_residual, implementation, sinks: as in
-        `jax_flash.attention` (the causal diagonal puts the last query on the last token).
+      scale, is_causal, local_window_size, softcap, return_residual, implementation, sinks,
+        key_scale, value_scale: as in `jax_flash.attention` (the causal diagonal puts the last query
+        on the last token). With fp8 pools (`key_scale`, `value_scale`) each sequence's pages are
+        gathered in fp8 and converted to the query's dtype, then attended; forward only.
 
     Returns:
       `[B, T, N, H]`, and with `return_residual` the log-sum-exp `[B, T, N]` float32. A query with
       no token to attend to (`lengths[b] <= T - 1 - i` under a causal mask) gives 0.
     """
+    key_scale, value_scale = _fp8.check(query, key_pages, value_pages, key_scale, value_scale,
+                                        names=("key_pages", "value_pages"))  # fmt: skip
     query, key_pages, value_pages, lengths, page_indices = _check_pages(
-        query, key_pages, value_pages, lengths, page_indices)  # fmt: skip
+        query, key_pages, value_pages, lengths, page_indices, fp8=key_scale is not None)  # fmt: skip
     sinks = _sinks.check(sinks, query.shape[2])
     # Every path returns its lse here (a gathered cache's lengths keep cuDNN out anyway): the sink
     # enters from it.
     options = dict(scale=scale, is_causal=is_causal, local_window_size=local_window_size, softcap=softcap,
                    implementation=implementation, return_residual=True)  # fmt: skip
+    if key_scale is None:
+        out, lse = _with_sinks(_over_pages(query, key_pages, value_pages, lengths, page_indices, options), sinks)
+    else:  # every derivative refused, the sinks' too (as attention's)
+        out, lse = _fp8.forward_only(lambda q, kp, vp, ks, vs, sinks: _with_sinks(_over_fp8_pages(
+            q, kp, vp, ks, vs, lengths, page_indices, options), sinks), query, key_pages, value_pages, key_scale,
+            value_scale, sinks)  # fmt: skip
+    return (out, lse) if return_residual else out
+
+
+def _with_sinks(out_and_lse, sinks):
+    return out_and_lse if sinks is None else _sinks.apply(*out_and_lse, sinks)
+
+
+def _over_pages(query, key_pages, value_pages, lengths, page_indices, options: dict):
+    """(out, lse): the decode kernels on the pages in place where they take the call, else
+    `attend` on the gathered caches."""
     call = _gathered_call(query, key_pages, value_pages, lengths, page_indices, options)
+    implementation = options["implementation"]
     if implementation != "xla" and cuda_impl.paged_reason(call, key_pages.shape[1]) is None:
         out, lse = cuda_impl.paged_attention(call.config, query, key_pages, value_pages, lengths, page_indices)
     else:
         keys, values = gather_pages(key_pages, page_indices), gather_pages(value_pages, page_indices)
         call = _cache_call(query, keys, values, jnp.clip(lengths, 0, keys.shape[1]), options)
         out, lse = attend(call, implementation, return_residual=True)
-    if sinks is not None:
-        out, lse = _sinks.apply(out, lse, sinks)
-    return (out, lse) if return_residual else out
+    return out, lse
+
+
+def _over_fp8_pages(query, key_pages, value_pages, key_scale, value_scale, lengths, page_indices, options: dict):
+    """(out, lse) over fp8 pools: each sequence's pages gathered (1 byte an element), converted to
+    the query's dtype, attended."""
+    keys, values = (_fp8.dequantize(gather_pages(pages, page_indices), s, query.dtype)
+                    for pages, s in ((key_pages, key_scale), (value_pages, value_scale)))  # fmt: skip
+    call = _cache_call(query, keys, values, jnp.clip(lengths, 0, keys.shape[1]), options)
+    return attend(call, options["implementation"], return_residual=True)

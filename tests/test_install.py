@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
-from jax_flash import _ffi, cuda_impl, cudnn_fallback, info
+from jax_flash import _ffi, cuda_impl, cudnn_fallback
 from tests import fake_kernels
 
 Q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
