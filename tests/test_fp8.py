@@ -201,3 +201,33 @@ def test_quantize_kv_refuses_bad_input_by_name():
         jax_flash.quantize_kv(jnp.ones((2, 3), jnp.int32))
     with pytest.raises(ValueError, match=r"x must have shape \[..., K, H\]"):
         jax_flash.quantize_kv(jnp.ones((3,)))
+
+
+def test_the_decode_benchmark_times_fp8_caches():
+    """`bench --decode --kv-dtype fp8`: the fp8 columns run (no gap) and count one byte a value."""
+    from jax_flash.bench import decode
+
+    impls = decode.implementations(on_gpu=False, kv_dtype="fp8")
+    assert {"jax_flash fp8", "paged 64 fp8"} <= set(impls)
+    times = decode.measure(decode.DecodeShape(1, 256, 1), jnp.float32, impls, rounds=1, calls_per_dispatch=1)
+    assert all(seconds is not None and seconds > 0 for seconds in times.values()), times
+    shape = decode.DecodeShape(1, 256, 1)
+    assert shape.kv_bytes(decode.cache_dtype("jax_flash fp8", jnp.bfloat16)) * 2 == shape.kv_bytes(jnp.bfloat16)
+
+
+def test_the_generate_example_with_fp8_caches(capsys, monkeypatch):
+    """examples/generate.py --kv-dtype fp8: fp8 caches written as generation goes, their tokens/s
+    against the model dtype's and how far the logits moved (a little, not at all would mean the
+    cache was not fp8)."""
+    import pathlib
+    import sys
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "examples"))
+    import generate
+
+    results = generate.main(["--kv-dtype", "fp8", "--train-steps", "2", "--new-tokens", "4", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "jax_flash fp8 / jax_flash tokens/s" in out and "jax_flash paged fp8 / jax_flash paged tokens/s" in out
+    moved = np.abs(results["jax_flash fp8"][2] - results["jax_flash"][2]).max()
+    assert 0 < moved < 0.5
+    sys.modules.pop("generate", None)

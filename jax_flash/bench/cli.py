@@ -24,6 +24,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--masks", action="store_true", help="time masks and the soft cap against causal instead")
     parser.add_argument("--ring", action="store_true", help="time ring attention over every GPU instead")
     parser.add_argument("--decode", action="store_true", help="time decode steps against a KV cache instead")
+    parser.add_argument("--kv-dtype", choices=("model", "fp8"), default="model",
+                        help="with --decode: fp8 also times jax_flash's fp8 caches (float8_e4m3fn)")
     parser.add_argument("--sinks", action="store_true", help="time gpt-oss's attention with sinks against without")
     parser.add_argument("--ring-seqlen", type=int, default=32768, help="tokens per device for --ring")
     args = parser.parse_args(argv)
@@ -40,7 +42,7 @@ def main(argv=None) -> list[dict]:
         print(sinks.table(rows))
         return rows
     if args.decode:
-        rows = decode.run()
+        rows = decode.run(args.kv_dtype)
         print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {decode.HEADS} / "
               f"{decode.KV_HEADS} heads, d = {decode.HEAD_DIM}, cold L2, time per call "
               f"({'GPU time from the profiler' if jax.default_backend() == 'gpu' else 'wall clock'}), "

@@ -6,7 +6,9 @@ heads, d = 128, bf16) against a cache of S tokens, for a grid of batch x cache l
 on the same bytes in shuffled pages of 64 and 16 tokens, cuDNN and XLA through
 `jax.nn.dot_product_attention` (without a mask: one query sees every key; at T = 4 the causal
 corner is 6 logits of the cache's thousands, so the work is the same), on the same inputs in one
-run. On a CPU a small grid compares jax_flash with XLA.
+run. On a CPU a small grid compares jax_flash with XLA. With `--kv-dtype fp8` also jax_flash's
+fp8 caches (float8_e4m3fn, one scale for keys and one for values): dense and pages of 64, their
+fraction of HBM counting the bytes they read (one a value).
 
 Decode is memory-bound: the figure is the K and V bytes read over the time, as a fraction of the
 device's HBM peak (`hbm_peak`: the H200's 4.8 TB/s, the H100 SXM's 3.35). Two things would
@@ -42,6 +44,9 @@ from jax_flash import _device
 COLD_BYTES = 200 * 2**20  # copies of the cache read per timed call: 4x the H100's L2
 CALLS_PER_DISPATCH = 32  # calls per timed jitted call, each on other queries: the dispatch shrinks to 1/32
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+FP8 = jnp.float8_e4m3fn
+# The fp8 caches' scale: normal keys and values over it stay within e4m3's 448 (5.8 sigma).
+FP8_SCALE = 1 / 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,21 +71,35 @@ def _paged(page_size: int):
     """jax_flash.paged_attention on the same bytes: the cache cut into pages of `page_size` tokens,
     the page table a fixed shuffle of them (so that a sequence's pages lie anywhere in the pool)."""
 
-    def attend(q, k, v, lengths):
+    def attend(q, k, v, lengths, **scales):
         b, s = k.shape[:2]
         pages = b * s // page_size
         table = jnp.asarray(np.random.default_rng(0).permutation(pages).reshape(b, s // page_size), jnp.int32)
         pool = lambda x: x.reshape(pages, page_size, *x.shape[2:])  # noqa: E731
-        return jax_flash.paged_attention(q, pool(k), pool(v), lengths, table, is_causal=True)
+        return jax_flash.paged_attention(q, pool(k), pool(v), lengths, table, is_causal=True, **scales)
 
     return attend
 
 
-def implementations(on_gpu: bool) -> dict:
+def _fp8(attend):
+    """`attend` over fp8 caches (cache_dtype: the names end in "fp8"), scaled by FP8_SCALE."""
+    return lambda q, k, v, lengths: attend(q, k, v, lengths, key_scale=FP8_SCALE, value_scale=FP8_SCALE)
+
+
+def cache_dtype(name: str, dtype):
+    """The dtype of the cache that implementation `name` reads."""
+    return FP8 if name.endswith("fp8") else dtype
+
+
+def implementations(on_gpu: bool, kv_dtype: str = "model") -> dict:
     """name -> attention(q, k, v, lengths) for a decode step."""
-    impls = {"jax_flash": lambda q, k, v, lengths: jax_flash.attention(
-        q, k, v, is_causal=True, key_value_seq_lengths=lengths)}  # fmt: skip
+    def ours(q, k, v, lengths, **scales):
+        return jax_flash.attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths, **scales)
+
+    impls = {"jax_flash": ours}
     impls["paged 64"], impls["paged 16"] = _paged(64), _paged(16)
+    if kv_dtype == "fp8":
+        impls["jax_flash fp8"], impls["paged 64 fp8"] = _fp8(ours), _fp8(_paged(64))
     if on_gpu:
         impls["cudnn"] = lambda q, k, v, lengths: jax.nn.dot_product_attention(
             q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")  # fmt: skip
@@ -155,40 +174,42 @@ def measure(shape: DecodeShape, dtype, impls: dict, rounds: int = 6, calls_per_d
     kv_shape = (shape.batch, shape.cache, shape.kv_heads, shape.head_dim)
     caches = [(jax.random.normal(keys[2 * i], kv_shape, dtype), jax.random.normal(keys[2 * i + 1], kv_shape, dtype))
               for i in range(copies)]  # fmt: skip
+    if any(cache_dtype(name, dtype) == FP8 for name in impls):
+        fp8_caches = [tuple((x.astype(jnp.float32) / FP8_SCALE).astype(FP8) for x in pair) for pair in caches]
     q_shape = (shape.batch, shape.queries, shape.heads, shape.head_dim)
     queries = [jax.random.normal(key, q_shape, dtype) for key in keys[2 * copies :]]
     lengths = jnp.full((shape.batch,), shape.cache, jnp.int32)
-    args = (lengths, queries, caches)
+    args_of = {name: (lengths, queries, fp8_caches if cache_dtype(name, dtype) == FP8 else caches) for name in impls}
     calls = len(queries) * copies
     runs = {}
     for name, attn in impls.items():
         try:
             fn = _over_copies(attn)
-            jax.block_until_ready(fn(*args))  # compile and warm up
+            jax.block_until_ready(fn(*args_of[name]))  # compile and warm up
             runs[name] = fn
         except Exception:  # unsupported here: a gap in the table, not a crash
             runs[name] = None
     order = [name for round_ in range(rounds) for name in (list(impls) if round_ % 2 == 0 else list(impls)[::-1])
              if runs[name] is not None]  # fmt: skip
     if on_gpu:
-        seconds = _device_seconds([lambda fn=runs[name]: fn(*args) for name in order])
+        seconds = _device_seconds([lambda fn=runs[name], args=args_of[name]: fn(*args) for name in order])
     else:
-        seconds = [_wall_seconds(runs[name], args) for name in order]
+        seconds = [_wall_seconds(runs[name], args_of[name]) for name in order]
     samples = {name: [] for name in impls}
     for name, s in zip(order, seconds):
         samples[name].append(s / calls)
     return {name: statistics.median(s) if s else None for name, s in samples.items()}
 
 
-def run() -> list[dict]:
+def run(kv_dtype: str = "model") -> list[dict]:
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
-    impls = implementations(on_gpu)
+    impls = implementations(on_gpu, kv_dtype)
     rows = []
     for shape in grid(on_gpu):
         times = measure(shape, dtype, impls, calls_per_dispatch=CALLS_PER_DISPATCH if on_gpu else 1)
         for name, seconds in times.items():
-            rate = None if seconds is None else shape.kv_bytes(dtype) / seconds
+            rate = None if seconds is None else shape.kv_bytes(cache_dtype(name, dtype)) / seconds
             rows.append({**dataclasses.asdict(shape), "impl": name, "seconds": seconds, "bytes_per_second": rate})
     return rows
 
