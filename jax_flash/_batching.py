@@ -99,8 +99,9 @@ def fold_queries_into_heads(forward: Callable, *, operands: Sequence[str] = (), 
 
 
 def fold_decode(decode: Callable, paged: bool) -> Callable:
-    """decode(q, k, v, kv_lengths, page_table) -> (out, lse), batched as one call. A dense cache folds
-    as `fold_queries_into_heads`. A pool of pages [P, page_size, K, H] belongs to no batch row:
+    """decode(q, k, v, kv_lengths, page_table, key_scale, value_scale) -> (out, lse), batched as one
+    call (the scales are per batch row, [B, K] or [B, 0]). A dense cache folds as
+    `fold_queries_into_heads`. A pool of pages [P, page_size, K, H] belongs to no batch row:
     mapped, [V, P, ...] becomes [V * P, ...], and each element's page indices (clamped into its own
     pool first, as unbatched) move to its pages."""
     if not paged:
@@ -108,10 +109,10 @@ def fold_decode(decode: Callable, paged: bool) -> Callable:
     wrapped = custom_vmap(decode)
 
     @wrapped.def_vmap
-    def rule(axis_size, in_batched, q, k, v, kv_lengths, page_table):
+    def rule(axis_size, in_batched, q, k, v, kv_lengths, page_table, key_scale, value_scale):
         q_only, pool_mapped = not any(in_batched[1:]), in_batched[1] or in_batched[2]
         if in_batched[0] and q_only:
-            return _queries_into_heads(wrapped, axis_size, q, k, v, kv_lengths, page_table)
+            return _queries_into_heads(wrapped, axis_size, q, k, v, kv_lengths, page_table, key_scale, value_scale)
         if pool_mapped:
             k, v = (x if mapped else jnp.broadcast_to(x, (axis_size,) + x.shape) for x, mapped in zip((k, v), in_batched[1:3]))
             pool = k.shape[1]
@@ -120,8 +121,10 @@ def fold_decode(decode: Callable, paged: bool) -> Callable:
             page_table = jnp.clip(pages, 0, pool - 1) + offsets
             k, v = (x.reshape((axis_size * pool,) + x.shape[2:]) for x in (k, v))
         folded = [_fold(x, mapped, axis_size) for x, mapped in ((q, in_batched[0]), (kv_lengths, in_batched[3]),
-                                                                  (page_table, in_batched[4] or pool_mapped))]
-        out, lse = wrapped(folded[0], k, v, folded[1], folded[2])
+                                                                  (page_table, in_batched[4] or pool_mapped),
+                                                                  (key_scale, in_batched[5]),
+                                                                  (value_scale, in_batched[6]))]  # fmt: skip
+        out, lse = wrapped(folded[0], k, v, *folded[1:])
         return (out.reshape((axis_size, -1) + out.shape[1:]), lse.reshape((axis_size, -1) + lse.shape[1:])), (True, True)
 
     return wrapped

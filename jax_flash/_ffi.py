@@ -251,18 +251,24 @@ def forward(config, family: int, q, k, v, masks: KernelMasks, bias, mask):
     return _partition.vary_like(folded(q, k, v, bias, mask, *masks), q, k, v)
 
 
-def decode(config, q, k, v, kv_lengths, page_table):
+def decode(config, q, k, v, kv_lengths, page_table, key_scale=None, value_scale=None):
     """(out [B, T, N, H], lse [B, N, T] float32) from the split-KV decode kernels: k, v a dense
     cache [B, S, K, H], or with a page table [B, max_pages] (else [B, 0]) a pool of pages
     [P, page_size, K, H]; kv_lengths int32 [B, 1] (clamped into [0, S] by the kernels) or [B, 0].
+    With an fp8 cache, key_scale and value_scale: float32 [K], each batch row's (as [B, K], so that
+    vmap folds them with the rows).
     Each (device's) call cuts its keys into `_decode.splits` splits. Under vmap, one call
     (_batching.fold_decode)."""
     register_targets()
     attrs = _window_attrs(config)
     paged = page_table.shape[1] > 0
+    b, kv_heads = q.shape[0], k.shape[2]
+    fp8 = key_scale is not None
+    scales = [jnp.broadcast_to(s.astype(jnp.float32), (b, kv_heads)) if fp8 else jnp.zeros((b, 0), jnp.float32)
+              for s in (key_scale, value_scale)]  # fmt: skip
 
-    def run(q, k, v, kv_lengths, page_table):
-        def kernel(q, k, v, kv_lengths, page_table):
+    def run(q, k, v, kv_lengths, page_table, key_scale, value_scale):
+        def kernel(q, k, v, kv_lengths, page_table, key_scale, value_scale):
             b, t, n, h = q.shape
             seqlen_k = k.shape[1] * page_table.shape[1] if paged else k.shape[1]
             splits = _decode.splits(b, t, n, k.shape[2], seqlen_k, h, paged=paged)
@@ -273,17 +279,19 @@ def decode(config, q, k, v, kv_lengths, page_table):
                 o_partial=jax.ShapeDtypeStruct(scratch + (h,) if splits > 1 else scratch, jnp.float32),
                 lse_partial=jax.ShapeDtypeStruct(scratch, jnp.float32),
             )
-            operands = _operands.DecodeOperands(q, k, v, kv_lengths=kv_lengths, page_table=page_table)
+            operands = _operands.DecodeOperands(q, k, v, kv_lengths=kv_lengths, page_table=page_table,
+                                                key_scale=key_scale, value_scale=value_scale)  # fmt: skip
             out, lse, *_ = call_kernel("jax_flash_decode", result_types, operands, dict(attrs, splits=np.int32(splits)))
             return out, lse
 
         cache = "--k-" if paged else "b-k-"  # a pool of pages belongs to no batch row
-        layouts_in = ("b-n-", cache, cache, "b-", "b-")
+        scale = "bk" if fp8 else "b-"  # empty without fp8: no kv-head axis to split
+        layouts_in = ("b-n-", cache, cache, "b-", "b-", scale, scale)
         run_split = _partition.over_batch_and_heads(kernel, layouts_in, ("b-n-", "bn-"), q.shape[2], k.shape[2])
-        return run_split(q, k, v, kv_lengths, page_table)
+        return run_split(q, k, v, kv_lengths, page_table, key_scale, value_scale)
 
     folded = _batching.fold_decode(run, paged)
-    return _partition.vary_like(folded(q, k, v, kv_lengths, page_table), q, k, v)
+    return _partition.vary_like(folded(q, k, v, kv_lengths, page_table, *scales), q, k, v)
 
 
 def backward(config, family: int, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, mask, want_dbias: bool):

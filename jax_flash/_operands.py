@@ -58,6 +58,8 @@ class DecodeOperands(NamedTuple):
     v: Any  # as k
     kv_lengths: Any  # [B, 1] or empty
     page_table: Any  # [B, max_pages], or empty: dense
+    key_scale: Any  # [B, K] with fp8 k and v, else [B, 0]
+    value_scale: Any  # [B, K] with fp8 k and v, else [B, 0]
 
 
 class DecodeResults(NamedTuple):

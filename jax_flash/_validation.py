@@ -75,7 +75,9 @@ def _as_array(x: Any, name: str) -> jax.Array:
     raise TypeError(f"{name} must be an array, got {type(x).__name__}")
 
 
-def _check_qkv(query, key, value):
+def _check_qkv(query, key, value, fp8_cache: bool = False):
+    """(query, key, value with a batch axis, batched). `fp8_cache`: key and value are an fp8 cache
+    whose dtypes _fp8.check paired."""
     query, key, value = (_as_array(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
     if query.ndim not in (3, 4):
         raise ValueError(f"query must have shape [B, T, N, H] or [T, N, H], got shape {query.shape}")
@@ -84,11 +86,11 @@ def _check_qkv(query, key, value):
             raise ValueError(
                 f"{name} must have the same rank as query ({query.ndim}), got shape {x.shape}"
             )
-    for name, x in (("query", query), ("key", key), ("value", value)):
+    for name, x in (("query", query),) + ((("key", key), ("value", value)) if not fp8_cache else ()):
         if x.dtype not in INPUT_DTYPES:
             allowed = ", ".join(jnp.dtype(d).name for d in INPUT_DTYPES)
             raise TypeError(f"{name} dtype must be one of {allowed}, got {x.dtype}")
-    if key.dtype != query.dtype or value.dtype != query.dtype:
+    if not fp8_cache and (key.dtype != query.dtype or value.dtype != query.dtype):
         raise TypeError(
             f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
         )
@@ -262,9 +264,12 @@ def validate(
     q_segment_ids,
     kv_segment_ids,
     diagonal_by_lengths: bool | None = None,
+    fp8_cache: bool = False,
 ) -> Call:
     """A checked `Call`. `diagonal_by_lengths` (AttentionConfig): None for `attention`'s rule
-    (only where T != S); internal callers whose queries are always the last T tokens pass True."""
+    (only where T != S); internal callers whose queries are always the last T tokens pass True.
+    `fp8_cache`: key and value are an fp8 cache (_fp8.check paired their dtypes), for the decode
+    kernels that read it."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be None, 'xla' or 'cuda', got {implementation!r}"
@@ -272,7 +277,7 @@ def validate(
     for name, flag in (("is_causal", is_causal), ("return_residual", return_residual)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    query, key, value, batched = _check_qkv(query, key, value)
+    query, key, value, batched = _check_qkv(query, key, value, fp8_cache)
     b, t, n, h = query.shape
     s = key.shape[1]
     full = (b, n, t, s)

@@ -168,10 +168,29 @@ def _over_fp8(query, key, value, bias, sinks, key_scale, value_scale, options: d
     ones stay in `options`), so that any derivative asked of the call is refused."""
 
     def over_converted(query, key, value, bias, sinks, key_scale, value_scale):
+        if (call := fp8_decode_call(query, key, value, bias, options)) is not None:
+            out, lse = cuda_impl.fp8_decode(call, key_scale, value_scale)
+            if not call.batched:
+                out, lse = out[0], lse[0]
+            if (sinks := _sinks.check(sinks, call.query.shape[2])) is not None:
+                out, lse = _sinks.apply(out, lse, sinks)
+            return (out, lse) if options["return_residual"] else out
         key, value = (_fp8.dequantize(x, s, query.dtype) for x, s in ((key, key_scale), (value, value_scale)))
         return attention(query, key, value, bias, sinks=sinks, **options)
 
     return _fp8.forward_only(over_converted, jnp.asarray(query), key, value, bias, sinks, key_scale, value_scale)
+
+
+def fp8_decode_call(query, key, value, bias, options: dict) -> Call | None:
+    """The validated call over an fp8 cache where the decode kernels read it as stored
+    (cuda_impl.fp8_decode_reason), else None: it is converted first."""
+    if options["implementation"] == "xla":
+        return None
+    rest = {name: x for name, x in options.items() if name != "mask"}
+    call = validate(query, key, value, bias, options["mask"], fp8_cache=True, **rest)
+    if has_nothing_to_compute(call) or cuda_impl.fp8_decode_reason(call) is not None:
+        return None
+    return call
 
 
 def attend(call: Call, implementation: str | None, return_residual: bool):
@@ -217,7 +236,10 @@ def chosen_implementation(query, key, value, bias=None, mask=None, **kwargs) -> 
         options = _with_defaults(kwargs)
         sinks, key_scale, value_scale = (options.pop(name) for name in ("sinks", "key_scale", "value_scale"))
         key_scale, value_scale = _fp8.check(query, key, value, key_scale, value_scale)
-        if key_scale is not None:  # converted first (attention's docstring)
+        if key_scale is not None:
+            if fp8_decode_call(query, key, value, bias, {**options, "mask": mask}) is not None:
+                reasons.append("cuda")
+                return query
             key, value = (_fp8.dequantize(x, s, query.dtype) for x, s in ((key, key_scale), (value, value_scale)))
         call = validate(query, key, value, bias, mask, **options)
         sinks = _sinks.check(sinks, call.query.shape[2])

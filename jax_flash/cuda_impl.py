@@ -219,11 +219,45 @@ def paged_reason(call: Call, page_size: int) -> str | None:
     return None
 
 
-def paged_attention(config: AttentionConfig, query, key_pages, value_pages, lengths, page_indices):
+def paged_attention(config: AttentionConfig, query, key_pages, value_pages, lengths, page_indices, key_scale=None,
+                    value_scale=None):  # fmt: skip
     """(output [B, T, N, H], lse [B, T, N]) from the decode kernels reading the pages in place,
-    for a call that `paged_reason` accepts. Forward only."""
+    for a call that `paged_reason` accepts (with fp8 pools and their [K] scales, `fp8_decode_reason`).
+    Forward only."""
     kv_lengths = lengths.astype(jnp.int32)[:, None]  # the kernels clamp them into the pages
-    out, lse = _ffi.decode(config, query, key_pages, value_pages, kv_lengths, page_indices)
+    out, lse = _ffi.decode(config, query, key_pages, value_pages, kv_lengths, page_indices, key_scale, value_scale)
+    return out, lse.transpose(0, 2, 1)
+
+
+def fp8_decode_reason(call: Call, page_size: int | None = None) -> str | None:
+    """Why the decode kernels cannot read the fp8 cache of `call` (validated with `fp8_cache`; with
+    `page_size`, the paged call with its pages gathered, as shapes) as it is stored, or None. Where
+    they cannot, the cache is converted to the query's dtype first (attention's docstring)."""
+    if page_size is not None:
+        reason = paged_reason(call, page_size)
+    else:
+        reason = unsupported_reason(call)
+        beyond_key_lengths = any(x is not None for x in (call.bias, call.mask, call.query_seq_lengths, call.q_segment_ids))
+        if reason is None and not _plan.runs_decode(_plan.family(), call.query.shape, call.key.shape[2],
+                                                    call.value.shape[-1], beyond_key_lengths):  # fmt: skip
+            reason = (f"the decode kernels take at most {_decode.MAX_QUERIES} queries, key lengths as the only "
+                      "mask, from sm_80 on")  # fmt: skip
+    if reason is not None:
+        return reason
+    h, hv = call.query.shape[-1], call.value.shape[-1]
+    if h != hv or h not in _contract.DECODE_FP8_HEAD_DIMS:
+        return f"the decode kernels read fp8 caches at head dims {_contract.DECODE_FP8_HEAD_DIMS}, got {(h, hv)}"
+    return None
+
+
+def fp8_decode(call: Call, key_scale, value_scale) -> tuple[jax.Array, jax.Array]:
+    """(output [B, T, N, H], lse [B, T, N]) of a call that `fp8_decode_reason` accepts, from the
+    decode kernels reading its fp8 cache as stored; scales float32 [K]. Forward only."""
+    b = call.query.shape[0]
+    kv_len = call.key_value_seq_lengths
+    kv_lengths = jnp.zeros((b, 0), jnp.int32) if kv_len is None else kv_len.astype(jnp.int32)[:, None]
+    no_pages = jnp.zeros((b, 0), jnp.int32)
+    out, lse = _ffi.decode(call.config, call.query, call.key, call.value, kv_lengths, no_pages, key_scale, value_scale)
     return out, lse.transpose(0, 2, 1)
 
 

@@ -77,21 +77,22 @@ def gather_pages(pages: jax.Array, page_indices: jax.Array) -> jax.Array:
     return tokens.reshape(b, max_pages * page_size, *pages.shape[2:])
 
 
-def _cache_call(query, keys, values, lengths, options: dict) -> Call:
+def _cache_call(query, keys, values, lengths, options: dict, fp8_cache: bool = False) -> Call:
     """The validated call of `attention` on gathered caches. The queries are the last T tokens,
     also where T equals the gathered length (diagonal_by_lengths)."""
     return validate(query, keys, values, None, None, key_value_seq_lengths=lengths, query_seq_lengths=None,
-                    q_segment_ids=None, kv_segment_ids=None, diagonal_by_lengths=True, **options)  # fmt: skip
+                    q_segment_ids=None, kv_segment_ids=None, diagonal_by_lengths=True, fp8_cache=fp8_cache,
+                    **options)  # fmt: skip
 
 
-def _gathered_call(query, key_pages, value_pages, lengths, page_indices, options: dict) -> Call:
+def _gathered_call(query, key_pages, value_pages, lengths, page_indices, options: dict, fp8_cache: bool = False) -> Call:
     """`_cache_call` on the gathered caches, traced for its shapes and settings only (no gather
     runs)."""
     calls = []
 
     def trace(query, key_pages, value_pages, lengths, page_indices):
         keys, values = gather_pages(key_pages, page_indices), gather_pages(value_pages, page_indices)
-        calls.append(_cache_call(query, keys, values, lengths, options))
+        calls.append(_cache_call(query, keys, values, lengths, options, fp8_cache))
         return query
 
     jax.eval_shape(trace, query, key_pages, value_pages, lengths, page_indices)
@@ -161,8 +162,14 @@ def _over_pages(query, key_pages, value_pages, lengths, page_indices, options: d
 
 
 def _over_fp8_pages(query, key_pages, value_pages, key_scale, value_scale, lengths, page_indices, options: dict):
-    """(out, lse) over fp8 pools: each sequence's pages gathered (1 byte an element), converted to
-    the query's dtype, attended."""
+    """(out, lse) over fp8 pools: the decode kernels on the pages in place where they read fp8
+    (cuda_impl.fp8_decode_reason), else each sequence's pages gathered (1 byte an element),
+    converted to the query's dtype, attended."""
+    if options["implementation"] != "xla":
+        call = _gathered_call(query, key_pages, value_pages, lengths, page_indices, options, fp8_cache=True)
+        if cuda_impl.fp8_decode_reason(call, key_pages.shape[1]) is None:
+            return cuda_impl.paged_attention(call.config, query, key_pages, value_pages, lengths, page_indices,
+                                             key_scale, value_scale)  # fmt: skip
     keys, values = (_fp8.dequantize(gather_pages(pages, page_indices), s, query.dtype)
                     for pages, s in ((key_pages, key_scale), (value_pages, value_scale)))  # fmt: skip
     call = _cache_call(query, keys, values, jnp.clip(lengths, 0, keys.shape[1]), options)

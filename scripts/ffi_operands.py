@@ -51,7 +51,9 @@ CUSTOM_CALLS = {
     "decode": {
         "args": [("q", "any", "[B, T, N, H]"), ("k", "any", "cache [B, S, K, H] or pages [P, page_size, K, H]"),
                  ("v", "any", "as k"), ("kv_lengths", "s32", "[B, 1] or empty"),
-                 ("page_table", "s32", "[B, max_pages], or empty: dense")],
+                 ("page_table", "s32", "[B, max_pages], or empty: dense"),
+                 ("key_scale", "f32", "[B, K] with fp8 k and v, else [B, 0]"),
+                 ("value_scale", "f32", "[B, K] with fp8 k and v, else [B, 0]")],
         "results": [("o", "any", "[B, T, N, H]"), ("lse", "f32", "[B, N, T]"),
                     ("o_partial", "f32", "split outputs [splits, B, T, N, H] or empty"),
                     ("lse_partial", "f32", "split lse [splits, B, T, N] or empty")],

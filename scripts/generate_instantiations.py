@@ -34,6 +34,7 @@ HEAD_DIMS = {
     "fwd_sm90_wide": (320, 384, 448, 512, 640, 768, 896, 1024),
     "fwd_sm80_wide": (320, 384, 448, 512),  # mma.sync forward above 256 (the same)
     "decode": (32, 64, 96, 128, 192, 256),
+    "decode_fp8": (64, 128),  # decode over fp8 caches (whole 64-byte tile rows, Q in registers)
     # Turing (sm_75): fp16 only, no bias; other head dims up to 128 pad up, the rest take the xla path
     "fwd_sm75": (64, 96, 128),
     "bwd_sm75": (64, 96, 128),
@@ -80,6 +81,8 @@ KERNELS = {  # (kernel, arch) -> (launcher header, launcher, params, head dims, 
     # Decode reads key lengths always, never segment ids or a bias: two variants.
     ("decode", "sm80"): ("launch/run_decode.cuh", "run_decode", "DecodeParams", HEAD_DIMS["decode"],
                          {"": "kMasked", "_softcap": "kSoftcap"}),
+    ("decode_fp8", "sm80"): ("launch/run_decode.cuh", "run_decode", "DecodeParams", HEAD_DIMS["decode_fp8"],
+                             {"": "kMasked", "_softcap": "kSoftcap"}),
 }
 # The mma.sync kernels that a Hopper GPU runs only when a test forces that family: those of the
 # (kernel, head dims) that the Hopper family has too, without a bias (dispatch.cu runs a bias of
@@ -95,8 +98,9 @@ INSTANTIATION = """
 template cudaError_t jax_flash::{launcher}<{types}, {head_dim}, jax_flash::Variant::{variant}>(
     const jax_flash::{params}&, cudaStream_t);
 """
-# Launchers whose second type argument is the cache's K/V element type (today the queries').
-KV_TYPED = {"run_decode"}
+# The cache's K/V element types of the kernels whose launcher takes one as its second type
+# argument (None: the queries').
+KV_TYPES = {"decode": (None,), "decode_fp8": ("__nv_fp8_e4m3", "__nv_fp8_e5m2")}
 
 
 def _camel(name: str) -> str:
@@ -181,10 +185,11 @@ def expected_files() -> dict[str, str]:
                     # Split only where Hopper runs the bias variant and not the others: "_bias" names it.
                     split = len(by_family) > 1 and variants == ["kEverything"]
                     name = f"{kernel}_{arch}_{dtype}_hdim{dims}{'_bias' if split else ''}.cu"
+                    types = [ctype] if kernel not in KV_TYPES else [f"{ctype}, {kv or ctype}" for kv in KV_TYPES[kernel]]
                     files[name] = HEADER.format(header=header) + "".join(
-                        INSTANTIATION.format(launcher=launcher, types=f"{ctype}, {ctype}" if launcher in KV_TYPED else ctype,
-                                             head_dim=arguments, variant=variant, params=params)
-                        for variant in variants)
+                        INSTANTIATION.format(launcher=launcher, types=t, head_dim=arguments, variant=variant,
+                                             params=params)
+                        for t in types for variant in variants)
                     families[name_of_family].append(name)
     files["families.cmake"] = families_cmake(families)
     return files

@@ -41,16 +41,21 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
         out, lse = xla_impl.attention(call)
         return out, lse.transpose(0, 2, 1), _zeros(result_types.tile_scratch)
     if target == "jax_flash_decode":
-        q, k, v, kv_lengths, page_table = operands
+        q, k, v, kv_lengths, page_table, key_scale, value_scale = operands
         if page_table.shape[1]:  # a pool of pages: the sequences' caches gathered from it
             k, v = paged.gather_pages(k, page_table), paged.gather_pages(v, page_table)
+        out_dtype = q.dtype
+        if key_scale.shape[1]:  # an fp8 cache: its values exactly (the kernels fold the scales into float32 products)
+            q = q.astype(jnp.float32)
+            k, v = (x.astype(jnp.float32) * s[:, None, :, None] for x, s in ((k, key_scale), (v, value_scale)))
         b, t, s = q.shape[0], q.shape[1], k.shape[1]
         empty = jnp.zeros((b, 0), jnp.int32)
         seqlens = empty
         if kv_lengths.shape[1]:  # clamped into the cache, as the kernels do
             seqlens = jnp.stack([jnp.full((b,), t, jnp.int32), jnp.clip(kv_lengths[:, 0], 0, s)], -1)
         out, lse = xla_impl.attention(_call(attrs, q, k, v, seqlens, empty, empty, empty, empty))
-        return out, lse.transpose(0, 2, 1), _zeros(result_types.o_partial), _zeros(result_types.lse_partial)
+        return (out.astype(out_dtype), lse.astype(jnp.float32).transpose(0, 2, 1), _zeros(result_types.o_partial),
+                _zeros(result_types.lse_partial))  # fmt: skip
     x, r = operands, result_types
     call = _call(attrs, x.q, x.k, x.v, x.seqlens, x.q_segments, x.kv_segments, x.bias, x.mask)
     d_lse = jnp.zeros(x.lse.shape, x.lse.dtype) if x.dlse.size == 0 else x.dlse  # empty: the lse unused

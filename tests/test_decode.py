@@ -112,7 +112,7 @@ def test_attention_takes_the_decode_target(targets, kw):
                                    return_residual=True, **kw)  # fmt: skip
     assert [c[0] for c in targets] == ["jax_flash_decode"]
     _, operand_shapes, result_shapes, attrs = targets[0]
-    assert operand_shapes == [q.shape, k.shape, v.shape, (3, 1), (3, 0)]
+    assert operand_shapes == [q.shape, k.shape, v.shape, (3, 1), (3, 0), (3, 0), (3, 0)]  # no pages, no fp8 scales
     splits = int(attrs["splits"])
     assert result_shapes[2] == ((splits, 3, 2, 8, 64) if splits > 1 else (0,))
     ref_out, ref_lse = reference.attention(q, k, v, key_value_seq_lengths=lengths, **kw)
@@ -157,7 +157,7 @@ def test_paged_attention_reads_the_pool_in_place(targets):
     q, kp, vp, lens, table, dense_k, dense_v = paged_problem(rng, 3, 2, 8, 2, 64, 32, 4, [100, 1, 64])
     out = jax_flash.paged_attention(q, kp, vp, lens, table, is_causal=True, implementation="cuda")
     assert [c[0] for c in targets] == ["jax_flash_decode"]
-    assert targets[0][1] == [q.shape, kp.shape, vp.shape, (3, 1), table.shape]
+    assert targets[0][1] == [q.shape, kp.shape, vp.shape, (3, 1), table.shape, (3, 0), (3, 0)]  # no fp8 scales
     ref, _ = reference.attention(q, dense_k, dense_v, key_value_seq_lengths=lens, query_seq_lengths=jnp.full((3,), 2),
                                  is_causal=True)  # fmt: skip
     assert reference.rel_error(out, ref) < 1e-2

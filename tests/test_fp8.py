@@ -231,3 +231,52 @@ def test_the_generate_example_with_fp8_caches(capsys, monkeypatch):
     moved = np.abs(results["jax_flash fp8"][2] - results["jax_flash"][2]).max()
     assert 0 < moved < 0.5
     sys.modules.pop("generate", None)
+
+
+def _recorded_decode_calls(monkeypatch):
+    calls = fake_kernels.record_calls(monkeypatch)
+    monkeypatch.setattr(_decode, "sm_count", lambda: 132)
+    return calls
+
+
+@pytest.mark.parametrize("h,reads_fp8", [(64, True), (128, True), (32, False)])
+def test_the_decode_kernels_read_fp8_as_stored(monkeypatch, h, reads_fp8):
+    """On the CUDA path (through the fake kernels) a decode call at head dims 64 and 128 hands the
+    fp8 cache and its scales, per batch row [B, K], to the decode kernels; elsewhere the cache is
+    converted first and the kernels see the query's dtype."""
+    calls = _recorded_decode_calls(monkeypatch)
+    rng = rng_for("fp8-route", h)
+    q = jnp.asarray(rng.normal(size=(3, 2, 8, h)), jnp.bfloat16)
+    k, k_scale, k_values = _cache(rng, (3, 100, 2, h), "e4m3", True)
+    v, v_scale, v_values = _cache(rng, (3, 100, 2, h), "e4m3", True)
+    kw = dict(is_causal=True, key_value_seq_lengths=jnp.asarray([100, 0, 33], jnp.int32))
+    out = jax_flash.attention(q, k, v, key_scale=k_scale, value_scale=v_scale, implementation="cuda", **kw)
+    assert [target for target, _ in calls] == ["jax_flash_decode"]
+    shapes = calls[0][1]
+    assert (shapes[5], shapes[6]) == (((3, 2), (3, 2)) if reads_fp8 else ((3, 0), (3, 0)))
+    assert jax_flash.chosen_implementation(q, k, v, key_scale=k_scale, value_scale=v_scale, **kw) == "cuda"
+    assert reference.rel_error(out, reference.attention(q, k_values, v_values, **kw)[0]) < TOL
+
+
+def test_fp8_pages_are_read_in_place_and_vmap_folds_their_scales(monkeypatch):
+    calls = _recorded_decode_calls(monkeypatch)
+    rng = rng_for("fp8-paged-route")
+    q, kp, vp, lens, table, _, _ = paged_problem(rng, 2, 1, 8, 2, 64, 16, 4, [64, 17])
+    (kq, k_scale), (vq, v_scale) = (jax_flash.quantize_kv(x.astype(jnp.float32), jnp.float8_e5m2) for x in (kp, vp))
+    out = jax_flash.paged_attention(q, kq, vq, lens, table, key_scale=k_scale, value_scale=v_scale, implementation="cuda")
+    assert [target for target, _ in calls] == ["jax_flash_decode"] and calls[0][1][1] == kq.shape
+    dense_k, dense_v = (jnp.take(x.astype(jnp.float64) * s[:, None], table, axis=0).reshape(2, -1, 2, 64)
+                        for x, s in ((kq, k_scale), (vq, v_scale)))  # fmt: skip
+    ref = reference.attention(q, dense_k, dense_v, key_value_seq_lengths=lens, query_seq_lengths=jnp.full((2,), 1),
+                              diagonal_by_lengths=True)[0]  # fmt: skip
+    assert reference.rel_error(out, ref) < TOL
+    # Two caches of their own scales under vmap: one call, the scales folded with the batch rows.
+    calls.clear()
+    scales = jnp.stack([k_scale, 2 * k_scale]), jnp.stack([v_scale, v_scale / 2])
+    mapped = jax.vmap(lambda q, ks, vs: jax_flash.paged_attention(q, kq, vq, lens, table, key_scale=ks, value_scale=vs,
+                                                                  implementation="cuda"))(jnp.stack([q, q]), *scales)
+    # (custom_vmap traces the call unbatched first: the folded call is the last)
+    assert {target for target, _ in calls} == {"jax_flash_decode"} and calls[-1][1][5] == (4, 2)
+    second = jax_flash.paged_attention(q, kq, vq, lens, table, key_scale=2 * k_scale, value_scale=v_scale / 2,
+                                       implementation="xla")  # fmt: skip
+    assert reference.rel_error(mapped[0], out) < 1e-6 and reference.rel_error(mapped[1], second) < TOL

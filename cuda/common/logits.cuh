@@ -27,6 +27,11 @@ struct Logits {
     const bool cap = kCap == Cap::kAlways || (kCap == Cap::kIfSet && p.softcap > 0.f);
     return cap ? Logits{p.scale / p.softcap, p.softcap, true} : Logits{0.f, p.scale, false};
   }
+  // The logits of keys stored divided by `key_scale` (an fp8 cache): the same function of q.k
+  // times it.
+  __device__ __forceinline__ Logits with_key_scale(float key_scale) const {
+    return capped() ? Logits{tanh_scale * key_scale, unit, has_cap} : Logits{tanh_scale, unit * key_scale, has_cap};
+  }
   __device__ __forceinline__ bool capped() const { return kCap == Cap::kAlways || (kCap == Cap::kIfSet && has_cap); }
   __device__ __forceinline__ float value(float s) const { return capped() ? ptx::tanh(s * tanh_scale) : s; }
 

@@ -17,14 +17,18 @@ namespace jax_flash::decode {
 // (run_decode.cuh launches it so): each warp keeps one block in flight, not two. With 264 CTAs
 // (two an SM) or 132 of deeper rings streaming at once, HBM served 1-2% fewer bytes than with 132
 // of these (decode D9): past what hides the latency, more loads in flight only cost.
-// KvT: the cache's element type, the queries' (16 bits) today; an 8-bit one takes half the
-// stage bytes (fp8 caches: to convert in registers before the mma.sync, which take T).
+// KvT: the cache's element type, the queries' or fp8 (decode/fp8.cuh: 8-bit tiles, half the
+// stage bytes, widened to T in registers before the mma.sync), at H = 64 and 128: whole 64-byte
+// rows of the tile, and Q in registers, where its fragments take the fp8 layout (query_tile.cuh).
 template <typename T_, typename KvT_, int kHeadDim_, bool kOneAnSm_ = false>
 struct Config {
   using T = T_;
   using KvT = KvT_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kOneAnSm = kOneAnSm_;
+  static constexpr bool kFp8 = sizeof(KvT) == 1;
+  static_assert(sizeof(KvT) == sizeof(T) || (kFp8 && (kHeadDim == 64 || kHeadDim == 128)),
+                "K/V in T, or fp8 at H = 64 and 128");
   static_assert(!kOneAnSm || kHeadDim <= 128, "one CTA an SM: four warps, H <= 128");
   // Two warps above H = 128: each warp keeps O (H / 2 fp32 a thread) and Q (H / 4 registers).
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 2;

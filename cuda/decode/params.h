@@ -39,6 +39,10 @@ struct DecodeParams : FwdParams {
   // pool) at slot s % page_size; seqlen_k is max_pages * page_size.
   const int* page_table;
   int page_size, max_pages, pool_pages;
+  // An fp8 cache's scales, float32 [B, K] (batch row b's values are k * key_scale[b, kv head]);
+  // nullptr with a 16-bit cache.
+  const float* key_scale;
+  const float* value_scale;
 };
 
 }  // namespace jax_flash

@@ -17,6 +17,10 @@ namespace jax_flash::decode {
 template <typename Cfg, bool kInSmem = Cfg::kQInSmem>
 struct QueryTile;
 
+// With an fp8 cache (Cfg::kFp8) the k16 steps' columns are permuted as K's fragments land
+// (split_kernel.cuh): a thread's a[0] / a[2] hold columns 4 (lane % 4) + 0, 1 / + 2, 3 of the
+// step, not 2 (lane % 4) + 0, 1 / + 8, 9. A product over k is the same under any permutation of
+// k shared by both operands.
 template <typename Cfg>
 struct QueryTile<Cfg, false> {
   static constexpr int kKSteps = Cfg::kHeadDim / 16;
@@ -24,17 +28,18 @@ struct QueryTile<Cfg, false> {
 
   __device__ __forceinline__ void load(const FwdParams& p, const PackedRows& rows, int batch, uint32_t, int lane) {
     using T = typename Cfg::T;
+    constexpr int kColsPerLane = Cfg::kFp8 ? 4 : 2, kHalfCols = Cfg::kFp8 ? 2 : 8;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = lane / 4 + 8 * r;
       const bool valid = rows.valid(row);
       const T* q = static_cast<const T*>(p.q) + rows.output_row(p, batch, valid ? row : 0) * Cfg::kHeadDim +
-                   2 * (lane % 4);
+                   kColsPerLane * (lane % 4);
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          frag[ks][2 * half + r] = valid ? __ldg(reinterpret_cast<const uint32_t*>(q + ks * 16 + half * 8)) : 0u;
+          frag[ks][2 * half + r] = valid ? __ldg(reinterpret_cast<const uint32_t*>(q + ks * 16 + half * kHalfCols)) : 0u;
         }
     }
   }
@@ -46,6 +51,7 @@ struct QueryTile<Cfg, false> {
 
 template <typename Cfg>
 struct QueryTile<Cfg, true> {
+  static_assert(!Cfg::kFp8, "fp8 caches: Q in registers (H <= 128)");
   using Tile = typename Cfg::QTile;
   static constexpr int kKSteps = Cfg::kHeadDim / 16;
   ChunkWalk<Tile, kKSteps> a_q;  // lanes 0-15 give rows, lanes 16-31 the second 8 columns

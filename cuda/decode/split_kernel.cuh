@@ -14,6 +14,7 @@
 #include "common/ptx.cuh"
 #include "common/tile.cuh"
 #include "decode/config.cuh"
+#include "decode/fp8.cuh"
 #include "decode/kv_source.cuh"
 #include "decode/packed_rows.cuh"
 #include "decode/params.h"
@@ -35,12 +36,72 @@ __device__ __forceinline__ BlockRange split_blocks(Range keys, int split, int sp
   return {begin, min(last, begin + per_split)};
 }
 
+// The logits' scale, with an fp8 cache's key scale for this (batch row, kv head) folded in.
+template <typename Cfg, Variant kVariant>
+__device__ __forceinline__ Logits<cap_of(kVariant)> scaled_logits(const DecodeParams& p, int batch, int kv_head) {
+  const auto logits = Logits<cap_of(kVariant)>::from(p);
+  if constexpr (Cfg::kFp8) {
+    return logits.with_key_scale(__ldg(p.key_scale + batch * p.kv_heads + kv_head));
+  } else {
+    return logits;
+  }
+}
+
+// S += Q K^T from an fp8 stage. ldmatrix gives a thread 16-bit elements (2c, 2c + 1) of its key's
+// row in a chunk, i.e. fp8 columns 4c .. 4c + 3: widened, columns 4c, 4c + 1 take b[0]'s place and
+// 4c + 2, 4c + 3 b[1]'s, the permutation Q's fragments share (query_tile.cuh). Registers: [0]
+// keys 0-7 and [1] keys 8-15 of step ks, [2] and [3] of step ks + 1.
+template <typename Cfg, typename Query, typename Walk>
+__device__ __forceinline__ void fp8_scores(float (&s)[2][4], const Query& query, uint32_t k_stage, const Walk& b_k) {
+  using T = typename Cfg::T;
+  using KvT = typename Cfg::KvT;
+#pragma unroll
+  for (int ks = 0; ks < Cfg::kHeadDim / 16; ks += 2) {
+    uint32_t r[4];
+    ptx::ldmatrix_x4(r, k_stage + b_k(ks / 2));
+#pragma unroll
+    for (int step = 0; step < 2; ++step) {
+      query.with_fragment(ks + step, [&](const uint32_t(&a)[4]) {
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          const uint32_t x = r[2 * step + n];
+          ptx::mma_16816<T>(s[n], a, widen_bytes<T, KvT, 0, 1>(x), widen_bytes<T, KvT, 2, 3>(x));
+        }
+      });
+    }
+  }
+}
+
+// O += P V from an fp8 stage. Transposed, ldmatrix gives a thread keys 2c, 2c + 1 of its 16-bit
+// column g, i.e. fp8 columns 2g and 2g + 1: bytes (key 2c, column 2g), (2c, 2g + 1), (2c + 1, 2g),
+// (2c + 1, 2g + 1). Bytes 0 and 2 are the B fragment of an n8 tile over the chunk's even columns,
+// 1 and 3 of one over its odd columns; acc_o[2j] and [2j + 1] hold chunk j's even and odd
+// columns, so a thread's C fragments hold columns 16j + 4c + 0..3 (tile_output.cuh stores them so).
+template <typename Cfg, int kDTiles, typename Walk>
+__device__ __forceinline__ void fp8_values(float (&acc_o)[kDTiles][4], const uint32_t (&a)[4], uint32_t v_stage,
+                                           const Walk& bt_v) {
+  using T = typename Cfg::T;
+  using KvT = typename Cfg::KvT;
+#pragma unroll
+  for (int chunk = 0; chunk < kDTiles / 2; chunk += 2) {
+    uint32_t r[4];  // [0] keys 0-7 and [1] keys 8-15 of this chunk, [2] and [3] of the next
+    ptx::ldmatrix_x4_trans(r, v_stage + bt_v(chunk / 2));
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const uint32_t lo = r[2 * c], hi = r[2 * c + 1];
+      float(&even)[4] = acc_o[2 * (chunk + c)];
+      float(&odd)[4] = acc_o[2 * (chunk + c) + 1];
+      ptx::mma_16816<T>(even, a, widen_bytes<T, KvT, 0, 2>(lo), widen_bytes<T, KvT, 0, 2>(hi));
+      ptx::mma_16816<T>(odd, a, widen_bytes<T, KvT, 1, 3>(lo), widen_bytes<T, KvT, 1, 3>(hi));
+    }
+  }
+}
+
 // kVariant: kMasked (lengths and the band) or kSoftcap (the same with the soft cap).
 template <typename Cfg, Variant kVariant>
 __global__ void __launch_bounds__(Cfg::kThreads) split_kernel(const DecodeParams p) {
   using T = typename Cfg::T;
   using KvT = typename Cfg::KvT;
-  static_assert(sizeof(KvT) == sizeof(T), "K/V of T's size: their fragments feed the mma.sync as loaded");
   constexpr int kHeadDim = Cfg::kHeadDim, kWarps = Cfg::kWarps;
   constexpr int kKSteps = kHeadDim / 16, kDTiles = kHeadDim / 8;
   constexpr float kLog2e = 1.4426950408889634f;
@@ -51,7 +112,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) split_kernel(const DecodeParams
   const PackedRows rows = PackedRows::of_cta(p);
   const int kv_length = p.kv_lengths ? min(max(__ldg(p.kv_lengths + batch), 0), p.seqlen_k) : p.seqlen_k;
   const Band band = Band::with_lengths<true>(p, batch, p.seqlen_q, kv_length);
-  const auto logits = Logits<cap_of(kVariant)>::from(p);
+  const auto logits = scaled_logits<Cfg, kVariant>(p, batch, rows.kv_head);
   const Range keys = band.keys_of(rows.query(0), rows.query(rows.last_valid()));
   const BlockRange blocks = split_blocks(keys, blockIdx.x, p.splits);
   const KvSource<KvT> source = KvSource<KvT>::of(p, batch, rows.kv_head, kHeadDim);
@@ -93,8 +154,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) split_kernel(const DecodeParams
 
   // Fragment offsets within a stage (tile.cuh), as in the sm80 forward: K as the B operand of
   // Q K^T (keys lane % 8 and + 8 x chunk pairs), V transposed as the B operand of P V.
-  const ChunkWalk<typename Cfg::KvTile, kKSteps> b_k(0, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-  const ChunkWalk<typename Cfg::KvTile, kDTiles / 2> bt_v(0, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+  // With an fp8 cache a 16-byte chunk is a whole k16 step of K (16 columns) and two n8 tiles of
+  // V: an x4 load covers both key halves of two chunks (fp8_products).
+  const ChunkWalk<typename Cfg::KvTile, Cfg::kFp8 ? kKSteps / 2 : kKSteps> b_k(
+      0, Cfg::kFp8 ? lane % 8 + ((lane / 8) % 2) * 8 : lane % 8 + (lane / 16) * 8, Cfg::kFp8 ? lane / 16 : (lane / 8) % 2);
+  const ChunkWalk<typename Cfg::KvTile, Cfg::kFp8 ? kDTiles / 4 : kDTiles / 2> bt_v(
+      0, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
   const float scale_log2 = logits.unit * kLog2e;
   OnlineSoftmax softmax;
   float acc_o[kDTiles][4];
@@ -112,14 +177,18 @@ __global__ void __launch_bounds__(Cfg::kThreads) split_kernel(const DecodeParams
 
     // S = Q K^T over the block's 16 keys: two n8 tiles.
     float s[2][4] = {};
+    if constexpr (Cfg::kFp8) {
+      fp8_scores<Cfg>(s, query, k_stage, b_k);
+    } else {
 #pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      uint32_t b[4];
-      ptx::ldmatrix_x4(b, k_stage + b_k(ks));
-      query.with_fragment(ks, [&](const uint32_t(&a)[4]) {
-        ptx::mma_16816<T>(s[0], a, b[0], b[1]);
-        ptx::mma_16816<T>(s[1], a, b[2], b[3]);
-      });
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t b[4];
+        ptx::ldmatrix_x4(b, k_stage + b_k(ks));
+        query.with_fragment(ks, [&](const uint32_t(&a)[4]) {
+          ptx::mma_16816<T>(s[0], a, b[0], b[1]);
+          ptx::mma_16816<T>(s[1], a, b[2], b[3]);
+        });
+      }
     }
     if (logits.capped()) {
 #pragma unroll
@@ -144,12 +213,16 @@ __global__ void __launch_bounds__(Cfg::kThreads) split_kernel(const DecodeParams
     // O += P V: the two n8 tiles of P form the A fragment of one k16 step.
     uint32_t a[4];
     ptx::accumulators_to_a<T>(a, s[0], s[1]);
+    if constexpr (Cfg::kFp8) {
+      fp8_values<Cfg>(acc_o, a, v_stage, bt_v);
+    } else {
 #pragma unroll
-    for (int d = 0; d < kDTiles; d += 2) {
-      uint32_t b[4];
-      ptx::ldmatrix_x4_trans(b, v_stage + bt_v(d / 2));
-      ptx::mma_16816<T>(acc_o[d], a, b[0], b[1]);
-      ptx::mma_16816<T>(acc_o[d + 1], a, b[2], b[3]);
+      for (int d = 0; d < kDTiles; d += 2) {
+        uint32_t b[4];
+        ptx::ldmatrix_x4_trans(b, v_stage + bt_v(d / 2));
+        ptx::mma_16816<T>(acc_o[d], a, b[0], b[1]);
+        ptx::mma_16816<T>(acc_o[d + 1], a, b[2], b[3]);
+      }
     }
   }
   ptx::cp_async_wait<0>();

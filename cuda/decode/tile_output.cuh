@@ -29,10 +29,21 @@ __device__ __forceinline__ void merge_and_store(const DecodeParams& p, const Pac
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = lane / 4 + 8 * r;
-    float* o_row = merged_o + (warp * kRows + row) * kRowFloats + 2 * (lane % 4);
+    if constexpr (Cfg::kFp8) {
+      // acc_o[2j] and [2j + 1]: chunk j's even and odd columns (split_kernel.cuh's fp8_values), a
+      // thread's four consecutive columns 16j + 4 (lane % 4) + 0..3.
+      float* o_row = merged_o + (warp * kRows + row) * kRowFloats + 4 * (lane % 4);
 #pragma unroll
-    for (int d = 0; d < kDTiles; ++d) {
-      *reinterpret_cast<float2*>(o_row + d * 8) = make_float2(acc_o[d][2 * r], acc_o[d][2 * r + 1]);
+      for (int j = 0; j < kDTiles / 2; ++j) {
+        *reinterpret_cast<float4*>(o_row + j * 16) =
+            make_float4(acc_o[2 * j][2 * r], acc_o[2 * j + 1][2 * r], acc_o[2 * j][2 * r + 1], acc_o[2 * j + 1][2 * r + 1]);
+      }
+    } else {
+      float* o_row = merged_o + (warp * kRows + row) * kRowFloats + 2 * (lane % 4);
+#pragma unroll
+      for (int d = 0; d < kDTiles; ++d) {
+        *reinterpret_cast<float2*>(o_row + d * 8) = make_float2(acc_o[d][2 * r], acc_o[d][2 * r + 1]);
+      }
     }
     const float sum = softmax.row_sum(r);
     if (lane % 4 == 0) {
@@ -66,7 +77,11 @@ __device__ __forceinline__ void merge_and_store(const DecodeParams& p, const Pac
     // to the combine.
     const RowTotal total = RowTotal::whole(sum);
     const auto extra = extra_logit_if(p.splits == 1, p, rows.head(row));
-    const float inv = total.inv(max, unit, extra), lse = total.lse(max, unit, extra);
+    float inv = total.inv(max, unit, extra);
+    const float lse = total.lse(max, unit, extra);
+    if constexpr (Cfg::kFp8) {
+      inv *= __ldg(p.value_scale + batch * p.kv_heads + rows.kv_head);  // V was stored divided by it
+    }
     const int64_t out_row = rows.output_row(p, batch, row);
     if (p.splits == 1) {
       const uint2 packed{ptx::pack2<T>(o.x * inv, o.y * inv), ptx::pack2<T>(o.z * inv, o.w * inv)};

@@ -38,6 +38,15 @@ ffi::Error dtype_of(ffi::DataType type, DType* dtype) {
   }
 }
 
+// A decode cache's element type: q's, or fp8.
+ffi::Error kv_dtype_of(ffi::DataType type, DType* dtype) {
+  switch (type) {
+    case ffi::DataType::F8E4M3FN: *dtype = DType::kFp8E4m3; return ffi::Error::Success();
+    case ffi::DataType::F8E5M2: *dtype = DType::kFp8E5m2; return ffi::Error::Success();
+    default: return dtype_of(type, dtype);
+  }
+}
+
 // `kv_dtype`: where given (decode), k and v may have a dtype of their own, written there.
 ffi::Error fill_shapes(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, DType* dtype,
                        FwdParams* p, int64_t key_batch = -1, bool value_dim_may_differ = false,
@@ -54,7 +63,7 @@ ffi::Error fill_shapes(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, DTy
   }
   if (ffi::Error e = dtype_of(q.element_type(), dtype); e.failure()) return e;
   if (kv_dtype != nullptr) {
-    if (ffi::Error e = dtype_of(k.element_type(), kv_dtype); e.failure()) return e;
+    if (ffi::Error e = kv_dtype_of(k.element_type(), kv_dtype); e.failure()) return e;
   }
   for (size_t i = 0; i < 4; ++i) {
     if (kd[i] != vd[i] && !(i == 3 && value_dim_may_differ)) {
@@ -92,7 +101,8 @@ ffi::Error fill_attributes(float scale, float softcap, int32_t window_left, int3
   return ffi::Error::Success();
 }
 
-bool has_shape(ffi::Buffer<ffi::S32>& b, std::initializer_list<int64_t> shape) {
+template <typename Buffer>
+bool has_shape(const Buffer& b, std::initializer_list<int64_t> shape) {
   const auto d = b.dimensions();
   if (d.size() != shape.size()) return false;
   size_t i = 0;
@@ -312,8 +322,24 @@ ffi::Error decode_impl(JAX_FLASH_DECODE_PARAMS) {
   } else if (ffi::Error e = fill_shapes(q, k, v, &dtype, &p, -1, false, &kv_dtype); e.failure()) {
     return e;
   }
-  if (kv_dtype != dtype) {
-    return ffi::Error::InvalidArgument("jax_flash: the decode kernels take k and v in q's dtype");
+  const bool fp8 = kv_dtype == DType::kFp8E4m3 || kv_dtype == DType::kFp8E5m2;
+  if (kv_dtype != dtype && !fp8) {
+    return ffi::Error::InvalidArgument("jax_flash: the decode kernels take k and v in q's dtype or in fp8");
+  }
+  if (fp8) {
+    if (!contract::decode_fp8_supports_head_dim(static_cast<int>(qd[3]))) {
+      return ffi::Error::InvalidArgument("jax_flash: no fp8 decode kernel for head dim " + std::to_string(qd[3]));
+    }
+    for (const auto* scale : {&key_scale, &value_scale}) {
+      if (!has_shape(*scale, {p.batch, p.kv_heads})) {
+        return ffi::Error::InvalidArgument("jax_flash: an fp8 cache's key_scale and value_scale must be [B, K], got " +
+                                           shape_string(scale->dimensions()));
+      }
+    }
+    p.key_scale = key_scale.typed_data();
+    p.value_scale = value_scale.typed_data();
+  } else if (key_scale.element_count() > 0 || value_scale.element_count() > 0) {
+    return ffi::Error::InvalidArgument("jax_flash: key_scale and value_scale are for fp8 caches");
   }
   if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, diagonal_by_lengths, &p); e.failure()) return e;
   if (!contract::decode_supports_head_dim(p.head_dim)) {

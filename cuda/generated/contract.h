@@ -41,6 +41,8 @@ using FwdSm80WideHeadDims = std::integer_sequence<int, 320, 384, 448, 512>;
 constexpr bool fwd_sm80_wide_supports_head_dim(int d) { return d == 320 || d == 384 || d == 448 || d == 512; }
 using DecodeHeadDims = std::integer_sequence<int, 32, 64, 96, 128, 192, 256>;
 constexpr bool decode_supports_head_dim(int d) { return d == 32 || d == 64 || d == 96 || d == 128 || d == 192 || d == 256; }
+using DecodeFp8HeadDims = std::integer_sequence<int, 64, 128>;
+constexpr bool decode_fp8_supports_head_dim(int d) { return d == 64 || d == 128; }
 using FwdSm75HeadDims = std::integer_sequence<int, 64, 96, 128>;
 constexpr bool fwd_sm75_supports_head_dim(int d) { return d == 64 || d == 96 || d == 128; }
 using BwdSm75HeadDims = std::integer_sequence<int, 64, 96, 128>;

@@ -59,6 +59,10 @@ set(JAX_FLASH_MMA_SYNC_SOURCES
   bwd_sm80_fp16_hdim32.cu
   bwd_sm80_fp16_hdim64_bias.cu
   bwd_sm80_fp16_hdim96.cu
+  decode_fp8_sm80_bf16_hdim128.cu
+  decode_fp8_sm80_bf16_hdim64.cu
+  decode_fp8_sm80_fp16_hdim128.cu
+  decode_fp8_sm80_fp16_hdim64.cu
   decode_sm80_bf16_hdim128.cu
   decode_sm80_bf16_hdim192.cu
   decode_sm80_bf16_hdim256.cu

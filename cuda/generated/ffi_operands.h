@@ -128,6 +128,8 @@
   .Arg<::xla::ffi::AnyBuffer>()  /* v: as k */ \
   .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()  /* kv_lengths: [B, 1] or empty */ \
   .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()  /* page_table: [B, max_pages], or empty: dense */ \
+  .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* key_scale: [B, K] with fp8 k and v, else [B, 0] */ \
+  .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* value_scale: [B, K] with fp8 k and v, else [B, 0] */ \
   .Ret<::xla::ffi::AnyBuffer>()  /* o: [B, T, N, H] */ \
   .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* lse: [B, N, T] */ \
   .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* o_partial: split outputs [splits, B, T, N, H] or empty */ \
@@ -146,6 +148,8 @@
   ::xla::ffi::AnyBuffer v, \
   ::xla::ffi::Buffer<::xla::ffi::S32> kv_lengths, \
   ::xla::ffi::Buffer<::xla::ffi::S32> page_table, \
+  ::xla::ffi::Buffer<::xla::ffi::F32> key_scale, \
+  ::xla::ffi::Buffer<::xla::ffi::F32> value_scale, \
   ::xla::ffi::Result<::xla::ffi::AnyBuffer> o, \
   ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::F32>> lse, \
   ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::F32>> o_partial, \

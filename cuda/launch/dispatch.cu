@@ -1,6 +1,7 @@
 // Dispatch from runtime (dtype, head dim) to the compiled instantiations.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -172,9 +173,10 @@ cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream
   return by_variant(p, [&](auto v) { return bwd_for<T, decltype(v)::value>(p, family, stream); });
 }
 
-template <typename T, typename KvT>
-cudaError_t decode_for(const DecodeParams& p, cudaStream_t stream) {
-  return for_head_dim(contract::DecodeHeadDims{}, p.head_dim, [&](auto d) -> cudaError_t {
+// The decode kernels over a cache of KvT at one of `dims`.
+template <typename T, typename KvT, typename HeadDims>
+cudaError_t decode_for(HeadDims dims, const DecodeParams& p, cudaStream_t stream) {
+  return for_head_dim(dims, p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
     if (p.softcap > 0.f) return run_decode<T, KvT, kHeadDim, Variant::kSoftcap>(p, stream);
     return run_decode<T, KvT, kHeadDim, Variant::kMasked>(p, stream);
@@ -209,10 +211,23 @@ cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, cudaSt
   return dtype == DType::kFloat16 ? bwd_for<__half>(p, family, stream) : bwd_for<__nv_bfloat16>(p, family, stream);
 }
 
+template <typename T>
+cudaError_t decode_for(DType kv_dtype, const DecodeParams& p, cudaStream_t stream) {
+  switch (kv_dtype) {
+    case DType::kFp8E4m3: return decode_for<T, __nv_fp8_e4m3>(contract::DecodeFp8HeadDims{}, p, stream);
+    case DType::kFp8E5m2: return decode_for<T, __nv_fp8_e5m2>(contract::DecodeFp8HeadDims{}, p, stream);
+    default: return decode_for<T, T>(contract::DecodeHeadDims{}, p, stream);
+  }
+}
+
 cudaError_t run_decode(DType dtype, DType kv_dtype, const DecodeParams& p, cudaStream_t stream) {
-  if (kv_dtype != dtype) return cudaErrorInvalidValue;  // instantiated for K/V in q's dtype alone
-  return dtype == DType::kFloat16 ? decode_for<__half, __half>(p, stream)
-                                  : decode_for<__nv_bfloat16, __nv_bfloat16>(p, stream);
+  const bool fp8 = kv_dtype == DType::kFp8E4m3 || kv_dtype == DType::kFp8E5m2;
+  if (kv_dtype != dtype && !fp8) return cudaErrorInvalidValue;
+  switch (dtype) {
+    case DType::kFloat16: return decode_for<__half>(kv_dtype, p, stream);
+    case DType::kBFloat16: return decode_for<__nv_bfloat16>(kv_dtype, p, stream);
+    default: return cudaErrorInvalidValue;  // fp8 queries
+  }
 }
 
 int sm80_forward_smem_bytes(int head_dim) {

@@ -8,7 +8,8 @@
 
 namespace jax_flash {
 
-enum class DType { kFloat16, kBFloat16 };
+// The queries' and outputs' types, and for a decode cache also fp8 (float8_e4m3fn, float8_e5m2).
+enum class DType { kFloat16, kBFloat16, kFp8E4m3, kFp8E5m2 };
 
 // Head dims with kernels (the kernel contract, cuda/generated/contract.h); other sizes are padded
 // up to the next one by the Python layer. The Hopper kernels' head dims are a subset: the others
@@ -40,8 +41,9 @@ const char* family_unavailable(KernelFamily family);
 // The launch status. Callers check the head dim first (cudaErrorInvalidValue otherwise).
 cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, cudaStream_t stream);
 cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, cudaStream_t stream);
-// The split-KV decode kernels (mma.sync, every GPU from sm_80 on), at every forward head dim: q in
-// `dtype`, the cache's K and V in `kv_dtype` (today the same: cudaErrorInvalidValue otherwise).
+// The split-KV decode kernels (mma.sync, every GPU from sm_80 on): q in `dtype` (16-bit), the
+// cache's K and V in `kv_dtype`, the same at every decode head dim or fp8 at decode_fp8's
+// (cudaErrorInvalidValue otherwise).
 cudaError_t run_decode(DType dtype, DType kv_dtype, const DecodeParams& p, cudaStream_t stream);
 
 // Bytes of shared memory a block of the mma.sync backward takes at this head dim with its smallest
