@@ -127,8 +127,10 @@ def attention(
         same; a KV cache written by `jax_flash.quantize_kv`), float32 scalars or `[K]` (one per kv
         head), default 1: the keys and values used are `key.astype(float32) * key_scale` and
         likewise. The query stays float16/bfloat16 (or float32/float64), and so does the output.
-        Every path converts the keys and values to the query's dtype first (one elementwise pass
-        over them, read at 1 byte and written at 2 per element), then attends; such a call is
+        On a GPU from sm_80 on the decode kernels read the cache as stored (at most 16 queries,
+        key lengths as the only mask, head dims 64 and 128: half a bf16 cache's bytes); every other
+        call converts the keys and values to the query's dtype first (one elementwise pass, 1 byte
+        read and 2 written a value, then the usual kernels or the xla path). Such a call is
         forward only (differentiating it raises a `ValueError`). Beyond `jax.nn`.
 
     A query row that sees no key (padding, segments, windows, masks) gets output 0 and

@@ -118,8 +118,9 @@ def paged_attention(query, key_pages, value_pages, lengths, page_indices, *, sca
         such a page's tokens come from page 0 or `P - 1`, never from outside the pool.
       scale, is_causal, local_window_size, softcap, return_residual, implementation, sinks,
         key_scale, value_scale: as in `jax_flash.attention` (the causal diagonal puts the last query
-        on the last token). With fp8 pools (`key_scale`, `value_scale`) each sequence's pages are
-        gathered in fp8 and converted to the query's dtype, then attended; forward only.
+        on the last token). fp8 pools (`key_scale`, `value_scale`) are read in place by the decode
+        kernels where they take the call (head dims 64 and 128); elsewhere each sequence's pages
+        are gathered in fp8 and converted to the query's dtype, then attended. Forward only.
 
     Returns:
       `[B, T, N, H]`, and with `return_residual` the log-sum-exp `[B, T, N]` float32. A query with
