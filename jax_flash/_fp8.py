@@ -65,9 +65,9 @@ def dequantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return (x.astype(jnp.float32) * scale[:, None]).astype(dtype)
 
 
-def forward_only(fn, *args):
+def forward_only(fn, *args, what: str | None = None):
     """fn(*args) (arrays, or pytrees of them), refusing every derivative: a call with an fp8 cache
-    is forward only."""
+    is forward only (or, named by `what`, a function that is)."""
 
     @jax.custom_jvp
     def call(*args):
@@ -75,6 +75,8 @@ def forward_only(fn, *args):
 
     @call.defjvp
     def _refuse(primals, tangents):
+        if what is not None:
+            raise ValueError(f"{what} is forward only: it has no derivative")
         raise ValueError("attention over fp8 keys and values is forward only (a KV cache is not trained): "
                          "differentiate a call with float16/bfloat16/float32 keys and values instead")  # fmt: skip
 

@@ -20,12 +20,11 @@ from jax_flash.attention import attention
 
 
 def _starts(starts, name: str, total: int) -> jax.Array:
-    """int32 [S + 1]: nondecreasing (a running maximum) and clamped into [0, total], first 0."""
+    """int32 [S + 1]: clamped into [0, total], the first 0, then nondecreasing (a running maximum)."""
     starts = as_clamped_int32(starts, name, 0, total)
     if starts.ndim != 1 or starts.shape[0] < 2:
         raise ValueError(f"{name} must have shape [S + 1] with S >= 1 sequences, got {starts.shape}")
-    starts = jnp.minimum(jax.lax.cummax(starts), total)
-    return starts.at[0].set(0)
+    return jax.lax.cummax(starts.at[0].set(0))
 
 
 def _same_starts(query_starts, key_starts) -> bool:
@@ -76,7 +75,7 @@ def varlen_attention(query, key, value, query_starts, key_starts, *, scale=None,
       query_starts, key_starts: int `[S + 1]`: sequence `i` is query rows
         `query_starts[i]:query_starts[i + 1]` and key rows `key_starts[i]:key_starts[i + 1]`
         (FlashAttention's `cu_seqlens_q`, `cu_seqlens_k`). Runtime values are made valid: clamped
-        into `[0, T]`, made nondecreasing (a running maximum), the first taken as 0. Rows past the
+        into `[0, T]`, the first taken as 0, then made nondecreasing (a running maximum). Rows past the
         last start are padding: output 0, no gradient; keys past it are never read.
       is_causal, local_window_size: aligned bottom-right per sequence (its last query sees its
         last key), as FlashAttention's varlen. Pass the same array for both starts where queries
