@@ -159,3 +159,19 @@ def test_bad_input_is_refused_by_name(change, error, match):
     args.update(change)
     with pytest.raises(error, match=match):
         jax_flash.ragged_paged_attention(**args)
+
+
+def test_the_continuous_batching_example(monkeypatch, capsys):
+    """examples/serve.py: requests arriving over time, prefill chunks and decodes in one step over
+    pages from a free list, give the tokens that padded dense batches give (greedy, the same model)."""
+    import pathlib
+    import sys
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "examples"))
+    import serve
+
+    served, dense = serve.main(["--requests", "6", "--slots", "3", "--budget", "40", "--new-tokens", "5",
+                                "--train-steps", "2"])  # fmt: skip
+    assert [r.out for r in served] == dense and all(len(r.out) == 5 for r in served)
+    assert "continuous / padded tokens/s" in capsys.readouterr().out
+    sys.modules.pop("serve", None)
