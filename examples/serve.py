@@ -51,6 +51,21 @@ class Request:
         return len(self.out) >= self.new_tokens
 
 
+def run_layers(model, tokens, positions, cache, attend):
+    """The model's layers over `tokens` at `positions` (rotary); attend(layer, q, k, v, cache) ->
+    (out, cache) writes a layer's keys and values into the cache and attends. (x, cache)."""
+    x = model.embed(tokens)
+    for layer, block in enumerate(model.blocks):
+        attn, h = block.attn, block.norm1(x)
+        split = lambda y, heads: y.reshape(y.shape[:-1] + (heads, attn.head_dim))  # noqa: E731,B023
+        q = apply_rotary(split(attn.query(h), attn.num_heads), positions, attn.rope_base)
+        k = apply_rotary(split(attn.key(h), attn.num_kv_heads), positions, attn.rope_base)
+        out, cache = attend(layer, q, k, split(attn.value(h), attn.num_kv_heads), cache)
+        x = x + attn.out(out.reshape(out.shape[:-2] + (-1,)))
+        x = x + block.down(jax.nn.gelu(block.up(block.norm2(x))))
+    return x, cache
+
+
 def make_serve_step(graphdef, cfg: Config, slots: int, budget: int):
     """step(params, pool, tokens [budget], positions [budget], starts [slots + 1], kv_lengths [slots],
     table [slots, max_pages], num_seqs) -> (each sequence's next token [slots], pool), the pool donated."""
@@ -63,18 +78,13 @@ def make_serve_step(graphdef, cfg: Config, slots: int, budget: int):
         real = rows < starts[num_seqs]
         page = jnp.where(real, table[seq, positions // PAGE_SIZE], TRASH_PAGE)
         slot = positions % PAGE_SIZE
-        x = model.embed(tokens)
-        for layer, block in enumerate(model.blocks):
-            attn, h = block.attn, block.norm1(x)
-            split = lambda y, heads: y.reshape(y.shape[:-1] + (heads, attn.head_dim))  # noqa: E731,B023
-            q = apply_rotary(split(attn.query(h), attn.num_heads), positions, attn.rope_base)
-            k = apply_rotary(split(attn.key(h), attn.num_kv_heads), positions, attn.rope_base)
-            v = split(attn.value(h), attn.num_kv_heads)
+        def attend(layer, q, k, v, pool):
             pool = {"k": pool["k"].at[layer, page, slot].set(k), "v": pool["v"].at[layer, page, slot].set(v)}
             out = jax_flash.ragged_paged_attention(q, pool["k"][layer], pool["v"][layer], kv_lengths, table, starts,
                                                    num_seqs)  # fmt: skip
-            x = x + attn.out(out.reshape(out.shape[0], -1))
-            x = x + block.down(jax.nn.gelu(block.up(block.norm2(x))))
+            return out, pool
+
+        x, pool = run_layers(model, tokens, positions, pool, attend)
         last = x[jnp.maximum(starts[1:] - 1, 0)]  # each sequence's last row this step
         logits = model.head(model.norm(last)).astype(jnp.float32)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), pool
@@ -179,22 +189,18 @@ def _dense_step(graphdef, b, cache_len):
         model = nnx.merge(graphdef, params)
         t = tokens.shape[1]
         positions = first[:, None] + jnp.arange(t)
-        x = model.embed(tokens)
-        for layer, block in enumerate(model.blocks):
-            attn, h = block.attn, block.norm1(x)
-            split = lambda y, heads: y.reshape(y.shape[:-1] + (heads, attn.head_dim))  # noqa: E731,B023
-            q = apply_rotary(split(attn.query(h), attn.num_heads), positions, attn.rope_base)
-            k = apply_rotary(split(attn.key(h), attn.num_kv_heads), positions, attn.rope_base)
-            v = split(attn.value(h), attn.num_kv_heads)
-            rows = jnp.arange(b)[:, None]
+        rows = jnp.arange(b)[:, None]
+
+        def attend(layer, q, k, v, cache):
             cache = {"k": cache["k"].at[layer, rows, positions].set(k), "v": cache["v"].at[layer, rows, positions].set(v)}
             # Each row's queries at first + t, its keys up to `lengths`: T == S is not the case, so
             # the diagonal follows the lengths (query i at key position i + kv_len - q_len).
             q_len = jnp.minimum(lengths - first, t)
             out = jax_flash.attention(q, cache["k"][layer], cache["v"][layer], is_causal=True,
                                       query_seq_lengths=q_len, key_value_seq_lengths=lengths)  # fmt: skip
-            x = x + attn.out(out.reshape(out.shape[:-2] + (-1,)))
-            x = x + block.down(jax.nn.gelu(block.up(block.norm2(x))))
+            return out, cache
+
+        x, cache = run_layers(model, tokens, positions, cache, attend)
         last = x[jnp.arange(b), jnp.maximum(lengths - first - 1, 0)]
         logits = model.head(model.norm(last)).astype(jnp.float32)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], cache
