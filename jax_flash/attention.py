@@ -165,9 +165,10 @@ def attention(
 
 
 def _over_fp8(query, key, value, bias, sinks, key_scale, value_scale, options: dict):
-    """`attention` over fp8 keys and values: converted to the query's dtype, then attended; forward
-    only. The differentiable float inputs are the custom_jvp's arguments (the integer and boolean
-    ones stay in `options`), so that any derivative asked of the call is refused."""
+    """`attention` over fp8 keys and values: read as stored by the decode kernels where they take
+    the call (fp8_decode_call), else converted to the query's dtype and attended; forward only. The
+    differentiable float inputs are the custom_jvp's arguments (the integer and boolean ones stay
+    in `options`), so that any derivative asked of the call is refused."""
 
     def over_converted(query, key, value, bias, sinks, key_scale, value_scale):
         if (call := fp8_decode_call(query, key, value, bias, options)) is not None:
