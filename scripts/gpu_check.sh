@@ -49,10 +49,16 @@ PY=${PYTHON:-python3}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
   --format=csv > "$OUT/gpu.txt" 2>&1
-# FlashAttention-3's JAX binding, carried as a wheel in .whl/, becomes a benchmark column.
+# FlashAttention-3's JAX binding and tokamax, carried as wheels in .whl/, become benchmark columns.
 if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && \
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  # tokamax (carried with its pure-Python requirements) imports xprof's CLI, a 32 MB wheel, for
+  # its own benchmarking helpers alone: a stub stands in for it.
+  if [[ -d /tmp/site/tokamax ]] && ! $PY -c "import xprof" 2> /dev/null; then
+    mkdir -p /tmp/site/xprof/cli && touch /tmp/site/xprof/__init__.py /tmp/site/xprof/cli/__init__.py
+    echo "get_kernel_stats_tool = None" > /tmp/site/xprof/cli/tools.py
+  fi
 fi
 
 if [[ $step == build || $step == all ]] && compgen -G ".whl-h100/jax_flash-*.whl" > /dev/null; then
