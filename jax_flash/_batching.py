@@ -69,23 +69,26 @@ def fold_into_batch(fn: Callable, *, operands: Sequence[str] = (), results: Sequ
     return wrapped
 
 
-def _queries_into_heads(fn: Callable, axis_size: int, q, *rest):
+def _queries_into_heads(fn: Callable, axis_size: int, q, *rest, per_head=()):
     """fn's (out, lse) for q [V, B, T, N, H] run as [B, T, N * V, H]: head n * V + v, in kv head
-    n // group, so that the rest (keys, values, masks) is not copied V times."""
+    n // group, so that the rest (keys, values, masks) is not copied V times. The operands of
+    `rest` at `per_head` ([B, N] per query head, or [B, 0]) follow their heads."""
     size, b, t, n, h = q.shape
+    rest = [jnp.repeat(x, size, axis=1) if i in per_head else x for i, x in enumerate(rest)]
     out, lse = fn(jnp.moveaxis(q, 0, 3).reshape(b, t, n * size, h), *rest)
     out = jnp.moveaxis(out.reshape(b, t, n, size, -1), 3, 0)
     lse = jnp.moveaxis(lse.reshape(b, n, size, t), 2, 0)
     return (out, lse), (True, True)
 
 
-def fold_queries_into_heads(forward: Callable, *, operands: Sequence[str] = (), broadcast: Sequence[str] = ()
-                            ) -> Callable:  # fmt: skip
+def fold_queries_into_heads(forward: Callable, *, operands: Sequence[str] = (), broadcast: Sequence[str] = (),
+                            per_head: Sequence[str] = ()) -> Callable:  # fmt: skip
     """forward(q, k, v, *rest) -> (out [B, T, N, H], lse [B, N, T]), batched as one call (operands
     named by `operands`, in order). With only q mapped and no `broadcast` operand (bias, mask)
-    given, q [V, B, T, N, H] runs as [B, T, N * V, H] (head n * V + v, in kv head n // group);
-    otherwise as `fold_into_batch`."""
+    given, q [V, B, T, N, H] runs as [B, T, N * V, H] (head n * V + v, in kv head n // group;
+    `per_head` operands, [B, N], repeated to follow); otherwise as `fold_into_batch`."""
     broadcast = _indices(broadcast, operands)
+    per_head = tuple(i - 1 for i in _indices(per_head, operands))  # among the operands after q
     wrapped = custom_vmap(forward)
 
     @wrapped.def_vmap
@@ -93,26 +96,30 @@ def fold_queries_into_heads(forward: Callable, *, operands: Sequence[str] = (), 
         args = (q, k, v) + masks
         if not in_batched[0] or any(in_batched[1:]) or any(args[i].size for i in broadcast):
             return _call_folded(wrapped, axis_size, in_batched, args, broadcast)
-        return _queries_into_heads(wrapped, axis_size, q, k, v, *masks)
+        return _queries_into_heads(wrapped, axis_size, q, k, v, *masks, per_head=per_head)
 
     return wrapped
 
 
+_DECODE_OPERANDS = ("q", "k", "v", "kv_lengths", "page_table", "key_scale", "value_scale", "sinks")
+
+
 def fold_decode(decode: Callable, paged: bool) -> Callable:
-    """decode(q, k, v, kv_lengths, page_table, key_scale, value_scale) -> (out, lse), batched as one
-    call (the scales are per batch row, [B, K] or [B, 0]). A dense cache folds as
+    """decode(q, k, v, kv_lengths, page_table, key_scale, value_scale, sinks) -> (out, lse), batched
+    as one call (the scales are per batch row, [B, K] or [B, 0]; the sinks [B, N] or [B, 0]). A dense cache folds as
     `fold_queries_into_heads`. A pool of pages [P, page_size, K, H] belongs to no batch row:
     mapped, [V, P, ...] becomes [V * P, ...], and each element's page indices (clamped into its own
     pool first, as unbatched) move to its pages."""
     if not paged:
-        return fold_queries_into_heads(decode)
+        return fold_queries_into_heads(decode, operands=_DECODE_OPERANDS, per_head=("sinks",))
     wrapped = custom_vmap(decode)
 
     @wrapped.def_vmap
-    def rule(axis_size, in_batched, q, k, v, kv_lengths, page_table, key_scale, value_scale):
+    def rule(axis_size, in_batched, q, k, v, kv_lengths, page_table, key_scale, value_scale, sinks):
         q_only, pool_mapped = not any(in_batched[1:]), in_batched[1] or in_batched[2]
         if in_batched[0] and q_only:
-            return _queries_into_heads(wrapped, axis_size, q, k, v, kv_lengths, page_table, key_scale, value_scale)
+            return _queries_into_heads(wrapped, axis_size, q, k, v, kv_lengths, page_table, key_scale, value_scale, sinks,
+                                       per_head=(_DECODE_OPERANDS.index("sinks") - 1,))  # fmt: skip
         if pool_mapped:
             k, v = (x if mapped else jnp.broadcast_to(x, (axis_size,) + x.shape) for x, mapped in zip((k, v), in_batched[1:3]))
             pool = k.shape[1]
@@ -123,7 +130,8 @@ def fold_decode(decode: Callable, paged: bool) -> Callable:
         folded = [_fold(x, mapped, axis_size) for x, mapped in ((q, in_batched[0]), (kv_lengths, in_batched[3]),
                                                                   (page_table, in_batched[4] or pool_mapped),
                                                                   (key_scale, in_batched[5]),
-                                                                  (value_scale, in_batched[6]))]  # fmt: skip
+                                                                  (value_scale, in_batched[6]),
+                                                                  (sinks, in_batched[7]))]  # fmt: skip
         out, lse = wrapped(folded[0], k, v, *folded[1:])
         return (out.reshape((axis_size, -1) + out.shape[1:]), lse.reshape((axis_size, -1) + lse.shape[1:])), (True, True)
 

@@ -222,41 +222,57 @@ def _fwd_scratch_size(batch: int, seqlen_q: int, heads: int) -> int:
     return _contract.FWD_SCRATCH_COUNTERS + 2 * tiles
 
 
-def forward(config, family: int, q, k, v, masks: KernelMasks, bias, mask):
+def sinks_operand(sinks, batch: int):
+    """The kernels' sinks operand from [N] or [B, N] sinks: float32 [B, N] (each batch row's, so
+    that vmap and sharding split it with the rows and heads), or [B, 0] for none."""
+    if sinks is None:
+        return jnp.zeros((batch, 0), jnp.float32)
+    return jnp.broadcast_to(sinks.astype(jnp.float32), (batch, sinks.shape[-1]))
+
+
+def _sinks_layout(sinks) -> str:
+    return "bn" if sinks.shape[1] else "b-"  # empty: no head axis to split
+
+
+def forward(config, family: int, q, k, v, masks: KernelMasks, bias, mask, sinks):
     """(out [B, T, N, Hv], lse [B, N, T] float32) from the forward kernel (Hv: v's head dim), given
-    the operands of `bias_operand` and `mask_operand`; under vmap, one call with the mapped axis
-    folded into the batch or the heads (_batching.py)."""
+    the operands of `bias_operand`, `mask_operand` and `sinks_operand` (its sinks in the lse and
+    the output); under vmap, one call with the mapped axis folded into the batch or the heads
+    (_batching.py)."""
     register_targets()
     attrs = dict(_window_attrs(config), family=np.int32(family))
 
-    def run(q, k, v, bias, mask, *masks):
-        def kernel(q, k, v, bias, mask, *masks):
+    def run(q, k, v, bias, mask, sinks, *masks):
+        def kernel(q, k, v, bias, mask, sinks, *masks):
             b, t, n, _ = q.shape
             result_types = _operands.FwdResults(
                 o=jax.ShapeDtypeStruct((b, t, n, v.shape[-1]), q.dtype),
                 lse=jax.ShapeDtypeStruct((b, n, t), jnp.float32),
                 tile_scratch=jax.ShapeDtypeStruct((_fwd_scratch_size(b, t, n),), jnp.int32),
             )
-            operands = _operands.FwdOperands(q, k, v, *masks, bias=bias, mask=mask)
+            operands = _operands.FwdOperands(q, k, v, *masks, bias=bias, mask=mask, sinks=sinks)
             out, lse, _ = call_kernel("jax_flash_fwd", result_types, operands, attrs)
             return out, lse
 
         b, _, n, _ = q.shape
-        layouts_in = ("b-n-", "b-k-", "b-k-", _bias_layout(bias, b, n), _bias_layout(mask, b, n)) + _MASK_LAYOUTS
+        layouts_in = ("b-n-", "b-k-", "b-k-", _bias_layout(bias, b, n), _bias_layout(mask, b, n),
+                      _sinks_layout(sinks)) + _MASK_LAYOUTS  # fmt: skip
         run_split = _partition.over_batch_and_heads(kernel, layouts_in, ("b-n-", "bn-"), n, k.shape[2])
-        return run_split(q, k, v, bias, mask, *masks)
+        return run_split(q, k, v, bias, mask, sinks, *masks)
 
-    folded = _batching.fold_queries_into_heads(run, operands=("q", "k", "v", "bias", "mask", *KernelMasks._fields),
-                                               broadcast=("bias", "mask"))  # fmt: skip
-    return _partition.vary_like(folded(q, k, v, bias, mask, *masks), q, k, v)
+    folded = _batching.fold_queries_into_heads(run, operands=("q", "k", "v", "bias", "mask", "sinks",
+                                                              *KernelMasks._fields),
+                                               broadcast=("bias", "mask"), per_head=("sinks",))  # fmt: skip
+    return _partition.vary_like(folded(q, k, v, bias, mask, sinks, *masks), q, k, v)
 
 
-def decode(config, q, k, v, kv_lengths, page_table, key_scale=None, value_scale=None):
+def decode(config, q, k, v, kv_lengths, page_table, key_scale=None, value_scale=None, sinks=None):
     """(out [B, T, N, H], lse [B, N, T] float32) from the split-KV decode kernels: k, v a dense
     cache [B, S, K, H], or with a page table [B, max_pages] (else [B, 0]) a pool of pages
     [P, page_size, K, H]; kv_lengths int32 [B, 1] (clamped into [0, S] by the kernels) or [B, 0].
     With an fp8 cache, key_scale and value_scale: float32 [K], each batch row's (as [B, K], so that
-    vmap folds them with the rows).
+    vmap folds them with the rows). `sinks` ([N] or [B, N], or None) join in the combine (or the
+    one split).
     Each (device's) call cuts its keys into `_decode.splits` splits. Under vmap, one call
     (_batching.fold_decode)."""
     register_targets()
@@ -267,11 +283,11 @@ def decode(config, q, k, v, kv_lengths, page_table, key_scale=None, value_scale=
     scales = [jnp.broadcast_to(s.astype(jnp.float32), (b, kv_heads)) if fp8 else jnp.zeros((b, 0), jnp.float32)
               for s in (key_scale, value_scale)]  # fmt: skip
 
-    def run(q, k, v, kv_lengths, page_table, key_scale, value_scale):
-        def kernel(q, k, v, kv_lengths, page_table, key_scale, value_scale):
+    def run(q, k, v, kv_lengths, page_table, key_scale, value_scale, sinks):
+        def kernel(q, k, v, kv_lengths, page_table, key_scale, value_scale, sinks):
             b, t, n, h = q.shape
             seqlen_k = k.shape[1] * page_table.shape[1] if paged else k.shape[1]
-            splits = _decode.splits(b, t, n, k.shape[2], seqlen_k, h, paged=paged)
+            splits = _decode.splits(b, t, n, k.shape[2], seqlen_k, h, paged=paged, kv_bytes=k.dtype.itemsize)
             scratch = (splits, b, t, n) if splits > 1 else (0,)
             result_types = _operands.DecodeResults(
                 o=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -280,25 +296,26 @@ def decode(config, q, k, v, kv_lengths, page_table, key_scale=None, value_scale=
                 lse_partial=jax.ShapeDtypeStruct(scratch, jnp.float32),
             )
             operands = _operands.DecodeOperands(q, k, v, kv_lengths=kv_lengths, page_table=page_table,
-                                                key_scale=key_scale, value_scale=value_scale)  # fmt: skip
+                                                key_scale=key_scale, value_scale=value_scale, sinks=sinks)  # fmt: skip
             out, lse, *_ = call_kernel("jax_flash_decode", result_types, operands, dict(attrs, splits=np.int32(splits)))
             return out, lse
 
         cache = "--k-" if paged else "b-k-"  # a pool of pages belongs to no batch row
         scale = "bk" if fp8 else "b-"  # empty without fp8: no kv-head axis to split
-        layouts_in = ("b-n-", cache, cache, "b-", "b-", scale, scale)
+        layouts_in = ("b-n-", cache, cache, "b-", "b-", scale, scale, _sinks_layout(sinks))
         run_split = _partition.over_batch_and_heads(kernel, layouts_in, ("b-n-", "bn-"), q.shape[2], k.shape[2])
-        return run_split(q, k, v, kv_lengths, page_table, key_scale, value_scale)
+        return run_split(q, k, v, kv_lengths, page_table, key_scale, value_scale, sinks)
 
     folded = _batching.fold_decode(run, paged)
-    return _partition.vary_like(folded(q, k, v, kv_lengths, page_table, *scales), q, k, v)
+    return _partition.vary_like(folded(q, k, v, kv_lengths, page_table, *scales, sinks_operand(sinks, b)), q, k, v)
 
 
 def backward(config, family: int, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, mask, want_dbias: bool):
-    """(dq, dk, dv, dbias) from the backward kernels; lse and d_lse are [B, N, T] float32 (d_lse
-    may be [B, N, 0]: zero, the lse unused); bias and mask as `forward` takes them. dbias (with
-    `want_dbias`) is float32 in the bias's shape, summed over its broadcast axes; else an empty
-    array. Under vmap, one call with the mapped axis folded into the batch."""
+    """(dq, dk, dv, dbias, delta) from the backward kernels; lse and d_lse are [B, N, T] float32
+    (d_lse may be [B, N, 0]: zero, the lse unused); bias and mask as `forward` takes them. dbias
+    (with `want_dbias`) is float32 in the bias's shape, summed over its broadcast axes; else an
+    empty array. delta [B, N, T] float32: rowsum(dO * O) - d_lse, the kernels' own (what d sinks
+    is formed from). Under vmap, one call with the mapped axis folded into the batch."""
     register_targets()
     attrs = dict(_window_attrs(config), family=np.int32(family), deterministic=np.int32(deterministic()),
                  smem_limit=np.int32(forced_smem_limit()))
@@ -320,20 +337,20 @@ def backward(config, family: int, q, k, v, out, lse, d_out, d_lse, masks: Kernel
                 dbias=jax.ShapeDtypeStruct(_dbias_shape(bias, q, k) if want_dbias else (b, 0, 0, 0), jnp.float32),
             )
             operands = _operands.BwdOperands(q, k, v, out, lse, d_out, d_lse, *masks, bias=bias, mask=mask)
-            dq, dk, dv, *_scratch, dbias = call_kernel("jax_flash_bwd", result_types, operands, attrs)
+            dq, dk, dv, _, delta, *_scratch, dbias = call_kernel("jax_flash_bwd", result_types, operands, attrs)
             broadcast_axes = tuple(i for i in range(4) if dbias.shape[i] != bias.shape[i])
-            return dq, dk, dv, dbias.sum(broadcast_axes, keepdims=True) if broadcast_axes else dbias
+            dbias = dbias.sum(broadcast_axes, keepdims=True) if broadcast_axes else dbias
+            return dq, dk, dv, dbias, delta[:, :, :t]
 
         b, _, n, _ = q.shape
         bias_layout = _bias_layout(bias, b, n)
         layouts_in = ("b-n-", "b-k-", "b-k-", "b-n-", "bn-", "b-n-", "bn-", bias_layout, _bias_layout(mask, b, n))
-        layouts_out = ("b-n-", "b-k-", "b-k-", bias_layout if want_dbias else "b---")
+        layouts_out = ("b-n-", "b-k-", "b-k-", bias_layout if want_dbias else "b---", "bn-")
         grads = _partition.over_batch_and_heads(kernel, layouts_in + _MASK_LAYOUTS, layouts_out, n, k.shape[2])
         return grads(q, k, v, out, lse, d_out, d_lse, bias, mask, *masks)
 
     operands = ("q", "k", "v", "out", "lse", "d_out", "d_lse", "bias", "mask", *KernelMasks._fields)
-    fold = _batching.fold_into_batch(run, operands=operands, results=("dq", "dk", "dv", "dbias"),
+    fold = _batching.fold_into_batch(run, operands=operands, results=("dq", "dk", "dv", "dbias", "delta"),
                                      broadcast=("bias", "mask"), summed={"dbias": "bias"} if want_dbias else None)
-    dq, dk, dv, dbias = fold(q, k, v, out, lse.astype(jnp.float32), d_out, d_lse.astype(jnp.float32),
-                             bias, mask, *masks)  # fmt: skip
-    return _partition.vary_like((dq, dk, dv, dbias), q, k, v, out, d_out)
+    grads = fold(q, k, v, out, lse.astype(jnp.float32), d_out, d_lse.astype(jnp.float32), bias, mask, *masks)
+    return _partition.vary_like(grads, q, k, v, out, d_out)

@@ -16,6 +16,7 @@ class FwdOperands(NamedTuple):
     kv_chunks: Any  # [B, S / 64, 6] or empty
     bias: Any  # broadcastable to [B, N, T, S], or empty
     mask: Any  # boolean, broadcastable to [B, N, T, S], or empty
+    sinks: Any  # [B, N] natural-log logits joining each row's softmax, or [B, 0]: none
 
 
 class FwdResults(NamedTuple):
@@ -60,6 +61,7 @@ class DecodeOperands(NamedTuple):
     page_table: Any  # [B, max_pages], or empty: dense
     key_scale: Any  # [B, K] with fp8 k and v, else [B, 0]
     value_scale: Any  # [B, K] with fp8 k and v, else [B, 0]
+    sinks: Any  # [B, N] natural-log logits joining each row's softmax, or [B, 0]: none
 
 
 class DecodeResults(NamedTuple):

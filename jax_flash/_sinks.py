@@ -3,9 +3,10 @@ carries no value. With `lse` the log-sum-exp of a row's visible logits and `out`
 
     lse' = logaddexp(lse, sink)        out' = out * exp(lse - lse')
 
-which is `softmax([logits, sink])` over `[V, 0]` exactly. Every path computes `(out, lse)` first
-and the sink enters here once, after every merge of partial results (blocks, splits, a ring's
-steps); its gradients come through `out` and `lse`, which every path differentiates.
+which is `softmax([logits, sink])` over `[V, 0]` exactly. The kernels join the sink in their
+softmax finish (cuda/common/row_total.cuh) and differentiate it themselves (cuda_impl's
+_sinks_gradient); the other paths compute `(out, lse)` first and the sink enters here once, after
+every merge of partial results (blocks, a ring's steps), its gradients through `out` and `lse`.
 """
 
 from __future__ import annotations

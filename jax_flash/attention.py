@@ -120,9 +120,9 @@ def attention(
         every row's softmax as a key with no value, `output = sum_j e^{l_j} v_j / (e^{sink} +
         sum_j e^{l_j})`, used as given (no scale, cap or bias), in float32. Differentiable. The
         log-sum-exp of `return_residual` then includes it; a row that sees no key gets output 0
-        and lse = its sink. Every path computes the attention first and the sink enters once,
-        from the lse (jax_flash/_sinks.py): on the kernels that costs one more pass over the
-        output (not yet fused into their softmax).
+        and lse = its sink. The kernels join it in their softmax finish (decode's: in the
+        combine of its splits), the backward through the lse; the xla path and cuDNN-less others
+        join it once from the lse (jax_flash/_sinks.py).
       key_scale, value_scale: with `key` and `value` in `float8_e4m3fn` or `float8_e5m2` (both the
         same; a KV cache written by `jax_flash.quantize_kv`), float32 scalars or `[K]` (one per kv
         head), default 1: the keys and values used are `key.astype(float32) * key_scale` and
@@ -157,11 +157,7 @@ def attention(
         implementation=implementation, return_residual=return_residual, softcap=softcap,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
     )  # fmt: skip
-    sinks = _sinks.check(sinks, call.query.shape[2])
-    if sinks is None:
-        return attend(call, implementation, return_residual)
-    out, lse = _sinks.apply(*attend(call, implementation, return_residual=True), sinks)
-    return (out, lse) if return_residual else out
+    return attend(call, implementation, return_residual, _sinks.check(sinks, call.query.shape[2]))
 
 
 def _over_fp8(query, key, value, bias, sinks, key_scale, value_scale, options: dict):
@@ -172,13 +168,11 @@ def _over_fp8(query, key, value, bias, sinks, key_scale, value_scale, options: d
 
     def over_converted(query, key, value, bias, sinks, key_scale, value_scale):
         if (call := fp8_decode_call(query, key, value, bias, options)) is not None:
-            out, lse = cuda_impl.fp8_decode(call, key_scale, value_scale)
+            out, lse = cuda_impl.fp8_decode(call, key_scale, value_scale, _sinks.check(sinks, call.query.shape[2]))
             if not call.batched:
                 out, lse = out[0], lse[0]
-            if (sinks := _sinks.check(sinks, call.query.shape[2])) is not None:
-                out, lse = _sinks.apply(out, lse, sinks)
             return (out, lse) if options["return_residual"] else out
-        key, value = (_fp8.dequantize(x, s, query.dtype) for x, s in ((key, key_scale), (value, value_scale)))
+        key, value = _fp8.dequantize_pair(key, value, key_scale, value_scale, query.dtype)
         return attention(query, key, value, bias, sinks=sinks, **options)
 
     return _fp8.forward_only(over_converted, jnp.asarray(query), key, value, bias, sinks, key_scale, value_scale)
@@ -196,17 +190,22 @@ def fp8_decode_call(query, key, value, bias, options: dict) -> Call | None:
     return call
 
 
-def attend(call: Call, implementation: str | None, return_residual: bool):
-    """`attention` of a validated call (paged_attention's gathered caches come in here too)."""
-    path, out = route(call, implementation, return_residual)
-    if path == "none":
-        out, lse = nothing_computed(call)
-    elif path == "cuda":
-        out, lse = cuda_impl.attention(call, strict=implementation == "cuda")
-    elif path == "cudnn":
-        lse = None  # not asked for (cudnn_fallback)
+def attend(call: Call, implementation: str | None, return_residual: bool, sinks=None):
+    """`attention` of a validated call (paged_attention's gathered caches come in here too), with
+    checked `sinks` or None: in the kernels' softmax finish, or joined from the lse of the other
+    paths (which then return it: cuDNN's does not, so it is out)."""
+    path, out = route(call, implementation, return_residual or sinks is not None)
+    if path == "cuda":
+        out, lse = cuda_impl.attention(call, strict=implementation == "cuda", sinks=sinks)
     else:
-        out, lse = xla_path(call)
+        if path == "none":
+            out, lse = nothing_computed(call)
+        elif path == "cudnn":
+            lse = None  # not asked for (cudnn_fallback)
+        else:
+            out, lse = xla_path(call)
+        if sinks is not None:
+            out, lse = _sinks.apply(out, lse, sinks)
     if not call.batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residual else out
@@ -243,7 +242,7 @@ def chosen_implementation(query, key, value, bias=None, mask=None, **kwargs) -> 
             if fp8_decode_call(query, key, value, bias, {**options, "mask": mask}) is not None:
                 reasons.append("cuda")
                 return query
-            key, value = (_fp8.dequantize(x, s, query.dtype) for x, s in ((key, key_scale), (value, value_scale)))
+            key, value = _fp8.dequantize_pair(key, value, key_scale, value_scale, query.dtype)
         call = validate(query, key, value, bias, mask, **options)
         sinks = _sinks.check(sinks, call.query.shape[2])
         # With sinks every path returns its lse (cuDNN's does not).

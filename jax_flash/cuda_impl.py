@@ -220,12 +220,13 @@ def paged_reason(call: Call, page_size: int) -> str | None:
 
 
 def paged_attention(config: AttentionConfig, query, key_pages, value_pages, lengths, page_indices, key_scale=None,
-                    value_scale=None):  # fmt: skip
+                    value_scale=None, sinks=None):  # fmt: skip
     """(output [B, T, N, H], lse [B, T, N]) from the decode kernels reading the pages in place,
-    for a call that `paged_reason` accepts (with fp8 pools and their [K] scales, `fp8_decode_reason`).
-    Forward only."""
+    for a call that `paged_reason` accepts (with fp8 pools and their [K] scales, `fp8_decode_reason`),
+    `sinks` ([N] or None) joined in the kernels. Forward only."""
     kv_lengths = lengths.astype(jnp.int32)[:, None]  # the kernels clamp them into the pages
-    out, lse = _ffi.decode(config, query, key_pages, value_pages, kv_lengths, page_indices, key_scale, value_scale)
+    out, lse = _ffi.decode(config, query, key_pages, value_pages, kv_lengths, page_indices, key_scale, value_scale,
+                           sinks)  # fmt: skip
     return out, lse.transpose(0, 2, 1)
 
 
@@ -250,14 +251,16 @@ def fp8_decode_reason(call: Call, page_size: int | None = None) -> str | None:
     return None
 
 
-def fp8_decode(call: Call, key_scale, value_scale) -> tuple[jax.Array, jax.Array]:
+def fp8_decode(call: Call, key_scale, value_scale, sinks=None) -> tuple[jax.Array, jax.Array]:
     """(output [B, T, N, H], lse [B, T, N]) of a call that `fp8_decode_reason` accepts, from the
-    decode kernels reading its fp8 cache as stored; scales float32 [K]. Forward only."""
+    decode kernels reading its fp8 cache as stored; scales float32 [K]; `sinks` [N] or None.
+    Forward only."""
     b = call.query.shape[0]
     kv_len = call.key_value_seq_lengths
     kv_lengths = jnp.zeros((b, 0), jnp.int32) if kv_len is None else kv_len.astype(jnp.int32)[:, None]
     no_pages = jnp.zeros((b, 0), jnp.int32)
-    out, lse = _ffi.decode(call.config, call.query, call.key, call.value, kv_lengths, no_pages, key_scale, value_scale)
+    out, lse = _ffi.decode(call.config, call.query, call.key, call.value, kv_lengths, no_pages, key_scale, value_scale,
+                           sinks)  # fmt: skip
     return out, lse.transpose(0, 2, 1)
 
 
@@ -332,17 +335,18 @@ def _kernel_masks(q, k, q_len, kv_len, q_seg, kv_seg) -> KernelMasks:
     return kernel_masks(q.shape[0], q.shape[1], k.shape[1], q_len, kv_len, q_seg, kv_seg)
 
 
-def attention(call: Call, strict: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(output [B, T, N, H], lse [B, T, N] float32) from the CUDA kernels. Its gradient comes from
-    the backward kernels, or where this GPU's shared memory is too small for them
-    (`_plan.backward_kernels_fit`) from the xla path's backward; `strict` (implementation="cuda")
-    raises a ValueError there instead."""
+def attention(call: Call, strict: bool = False, sinks=None) -> tuple[jax.Array, jax.Array]:
+    """(output [B, T, N, H], lse [B, T, N] float32) from the CUDA kernels, with `sinks` ([N] or
+    None) in every row's softmax. Its gradient comes from the backward kernels, or where this GPU's
+    shared memory is too small for them (`_plan.backward_kernels_fit`) from the xla path's
+    backward; `strict` (implementation="cuda") raises a ValueError there instead."""
     head_dim, value_dim = forward_head_dims(call)
     call = mask_as_segments(call)
     q, k = _pad_head_dim(call.query, head_dim), _pad_head_dim(call.key, head_dim)
     v = _pad_head_dim(call.value, value_dim)
     bias, mask = _bias_arrays(call)
-    out, lse = _flash(call.config, strict, q, k, v, bias, mask, *_mask_arrays(call))
+    sinks = _ffi.sinks_operand(sinks, q.shape[0])
+    out, lse = _flash(call.config, strict, q, k, v, bias, mask, *_mask_arrays(call), sinks)
     return out[..., : call.value.shape[-1]], lse.transpose(0, 2, 1)
 
 
@@ -356,7 +360,7 @@ def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, 
     padded = kernel_head_dim(_widest_head_dim(call), TURING_HEAD_DIMS if turing else FWD_HEAD_DIMS)
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))
     masks = _mask_arrays(call)
-    dq, dk, dv, _ = _gradients(call.config, False, q, k, v, *_bias_arrays(call), False, out, lse.transpose(0, 2, 1),
+    dq, dk, dv, *_ = _gradients(call.config, False, q, k, v, *_bias_arrays(call), False, out, lse.transpose(0, 2, 1),
                                masks, _kernel_masks(q, k, *masks), d_out, d_lse.transpose(0, 2, 1))  # fmt: skip
     head_dim, value_dim = call.query.shape[-1], call.value.shape[-1]
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_dim]
@@ -367,9 +371,9 @@ def _xla_backward(call: Call, out, lse, d_out, d_lse):
     return xla_impl.backward(call, out, lse, d_out, d_lse, *dense_impl.backward_blocks(call))
 
 
-def _forward(config: AttentionConfig, q, k, v, bias, mask, masks):
+def _forward(config: AttentionConfig, q, k, v, bias, mask, masks, sinks):
     """(out, lse [B, N, T], the kernels' mask operands), from the decode kernels where they take
-    the call (_decode.py), else the forward kernels."""
+    the call (_decode.py), else the forward kernels; sinks [B, N] or [B, 0]."""
     kernel = _kernel_masks(q, k, *masks)
     b = q.shape[0]
     q_len, kv_len, q_seg, _ = masks
@@ -378,17 +382,19 @@ def _forward(config: AttentionConfig, q, k, v, bias, mask, masks):
     if _plan.runs_decode(family, q.shape, k.shape[2], v.shape[-1], beyond_key_lengths):
         kv_lengths = jnp.zeros((b, 0), jnp.int32) if kv_len is None else kv_len.astype(jnp.int32)[:, None]
         no_pages = jnp.zeros((b, 0), jnp.int32)
-        return *_ffi.decode(config, q, k, v, kv_lengths, no_pages), kernel
-    return *_ffi.forward(config, family, q, k, v, kernel, bias, mask), kernel
+        return *_ffi.decode(config, q, k, v, kv_lengths, no_pages, sinks=sinks), kernel
+    return *_ffi.forward(config, family, q, k, v, kernel, bias, mask, sinks), kernel
 
 
-DIFFERENTIABLE = (0, 1, 2, 3)  # q, k, v and the bias, of _flash's arrays
+SINKS = 9  # of _flash's arrays
+DIFFERENTIABLE = (0, 1, 2, 3, SINKS)  # q, k, v, the bias and the sinks
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _flash(config: AttentionConfig, strict: bool, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
-    """(out, lse [B, N, T]: the kernels' layout, which the backward kernels read)."""
-    out, lse, _ = _forward(config, q, k, v, bias, mask, (q_len, kv_len, q_seg, kv_seg))
+def _flash(config: AttentionConfig, strict: bool, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sinks):
+    """(out, lse [B, N, T]: the kernels' layout, which the backward kernels read); sinks float32
+    [B, N] (in the lse: the backward needs nothing more) or [B, 0]."""
+    out, lse, _ = _forward(config, q, k, v, bias, mask, (q_len, kv_len, q_seg, kv_seg), sinks)
     return out, lse
 
 
@@ -408,26 +414,56 @@ def _tangent_by_xla(static, primals, out, lse, tangents, all_key_blocks=False):
         raise ValueError(
             "implementation='cuda' has no forward-mode kernels (jax.jvp, jax.jacfwd, jax.linearize): "
             "implementation=None computes the tangent by the xla path's formula beside the kernels' forward")
-    q, k, v, bias, mask, *masks = primals
+    q, k, v, bias, mask, *masks, sinks = primals
     call = _call_of_operands(config, q, k, v, bias, mask, masks)
-    tq, tk, tv, tb = tangents
+    tq, tk, tv, tb, t_sinks = tangents
     d_out, d_lse = xla_impl.tangent(call, out, lse.transpose(0, 2, 1), (tq, tk, tv, tb if bias.size else None),
                                     *dense_impl.backward_blocks(call), all_key_blocks=all_key_blocks)  # fmt: skip
-    return d_out, d_lse.transpose(0, 2, 1)
+    d_lse = d_lse.transpose(0, 2, 1)
+    if sinks.shape[1]:
+        # The logits' part above is taken with the lse and output that hold the sink; the sink's
+        # own logit adds P_sink d_sink to d lse and, through d lse, -P_sink d_sink O to d out.
+        d_sink_term = _sink_weights(sinks, lse) * t_sinks[:, :, None]  # [B, N, T]
+        d_lse = d_lse + d_sink_term
+        d_out = (d_out - d_sink_term.transpose(0, 2, 1)[..., None] * out.astype(jnp.float32)).astype(d_out.dtype)
+    return d_out, d_lse
+
+
+def _sink_weights(sinks, lse):
+    """P_sink = exp(sink - lse) [B, N, T] from sinks [B, N] and an lse [B, N, T] that holds them
+    (0 where both are -inf)."""
+    return jnp.where(lse > -jnp.inf, jnp.exp(sinks[:, :, None] - jnp.where(lse > -jnp.inf, lse, 0)), 0.0)
 
 
 def _transpose(static, primals, out, lse, d_out, d_lse, needed):
     config, strict = static
-    q, k, v, bias, mask, *masks = primals
-    return _gradients(config, strict, q, k, v, bias, mask, needed[3], out, lse, masks, _kernel_masks(q, k, *masks),
-                      d_out, d_lse)  # fmt: skip
+    q, k, v, bias, mask, *masks, sinks = primals
+    *grads, dbias, delta = _gradients(config, strict, q, k, v, bias, mask, needed[3], out, lse, masks,
+                                      _kernel_masks(q, k, *masks), d_out, d_lse)  # fmt: skip
+    return (*grads, dbias, _sinks_gradient(sinks, out, lse, d_out, d_lse, delta) if needed[4] else None)
+
+
+def _sinks_gradient(sinks, out, lse, d_out, d_lse, delta):
+    """d sinks [B, N] = -sum over the rows of P_sink delta, delta = rowsum(dO * O) - d lse (the
+    backward kernels' own, or None: formed here): the sink's logit gets the softmax backward's
+    dS = P (dP - delta) with dP = 0, as it carries no value."""
+    if not sinks.shape[1]:
+        return jnp.zeros_like(sinks)
+    if delta is None:
+        delta = jnp.zeros(lse.shape, jnp.float32)
+        if d_out is not None:
+            delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+        if d_lse is not None:
+            delta = delta - d_lse
+    return -(_sink_weights(sinks, lse) * delta).sum(-1)
 
 
 def _gradients(config: AttentionConfig, strict: bool, q, k, v, bias, mask, want_dbias: bool, out, lse, masks, kernel,
                d_out, d_lse):  # fmt: skip
-    """(dq, dk, dv, dbias or None) from the backward kernels (lse and d_lse [B, N, T]); a
-    cotangent of None is zero: an lse the loss does not use (the usual case) passes an empty
-    [B, N, 0] cotangent, which the kernels read as zero, so no zeros are written."""
+    """(dq, dk, dv, dbias or None, delta or None) from the backward kernels (lse and d_lse
+    [B, N, T]; delta [B, N, T] their rowsum(dO * O) - d_lse, None where the xla path's backward
+    ran); a cotangent of None is zero: an lse the loss does not use (the usual case) passes an
+    empty [B, N, 0] cotangent, which the kernels read as zero, so no zeros are written."""
     d_out = jnp.zeros(out.shape, out.dtype) if d_out is None else d_out
     b, t, n, _ = q.shape
     # A head dim without backward kernels takes the next one up, zero-padded: zero columns change
@@ -450,13 +486,14 @@ def _gradients(config: AttentionConfig, strict: bool, q, k, v, bias, mask, want_
         d_lse = jnp.zeros((b, t, n), jnp.float32) if d_lse is None else d_lse.transpose(0, 2, 1)
         call = _call_of_operands(config, q, k, v, bias, mask, masks)
         dq, dk, dv, dbias = _xla_backward(call, out, lse.transpose(0, 2, 1), d_out, d_lse)
-        return dq, dk, dv, dbias if want_dbias else None
+        return dq, dk, dv, dbias if want_dbias else None, None
     d_lse = jnp.zeros((b, n, 0), jnp.float32) if d_lse is None else d_lse
     q, k = (_pad_head_dim(x, padded) for x in (q, k))
     v, out, d_out = (_pad_head_dim(x, padded_value) for x in (v, out, d_out))
-    *grads, dbias = _ffi.backward(config, family, q, k, v, out, lse, d_out, d_lse, kernel, bias, mask, want_dbias)
+    *grads, dbias, delta = _ffi.backward(config, family, q, k, v, out, lse, d_out, d_lse, kernel, bias, mask,
+                                         want_dbias)  # fmt: skip
     dbias = dbias.astype(bias.dtype) if want_dbias else None
-    return tuple(g[..., :dim] for g, dim in zip(grads, dims, strict=True)) + (dbias,)
+    return tuple(g[..., :dim] for g, dim in zip(grads, dims, strict=True)) + (dbias, delta)
 
 
 _TANGENT = _tangent.TangentMap("jax_flash_cuda_attention_tangent", _tangent_by_xla, _transpose,

@@ -131,47 +131,44 @@ def paged_attention(query, key_pages, value_pages, lengths, page_indices, *, sca
     query, key_pages, value_pages, lengths, page_indices = _check_pages(
         query, key_pages, value_pages, lengths, page_indices, fp8=key_scale is not None)  # fmt: skip
     sinks = _sinks.check(sinks, query.shape[2])
-    # Every path returns its lse here (a gathered cache's lengths keep cuDNN out anyway): the sink
-    # enters from it.
+    # Every path returns its lse here (a gathered cache's lengths keep cuDNN out anyway).
     options = dict(scale=scale, is_causal=is_causal, local_window_size=local_window_size, softcap=softcap,
                    implementation=implementation, return_residual=True)  # fmt: skip
     if key_scale is None:
-        out, lse = _with_sinks(_over_pages(query, key_pages, value_pages, lengths, page_indices, options), sinks)
+        out, lse = _over_pages(query, key_pages, value_pages, lengths, page_indices, sinks, options)
     else:  # every derivative refused, the sinks' too (as attention's)
-        out, lse = _fp8.forward_only(lambda q, kp, vp, ks, vs, sinks: _with_sinks(_over_fp8_pages(
-            q, kp, vp, ks, vs, lengths, page_indices, options), sinks), query, key_pages, value_pages, key_scale,
+        out, lse = _fp8.forward_only(lambda q, kp, vp, ks, vs, sinks: _over_fp8_pages(
+            q, kp, vp, ks, vs, lengths, page_indices, sinks, options), query, key_pages, value_pages, key_scale,
             value_scale, sinks)  # fmt: skip
     return (out, lse) if return_residual else out
 
 
-def _with_sinks(out_and_lse, sinks):
-    return out_and_lse if sinks is None else _sinks.apply(*out_and_lse, sinks)
-
-
-def _over_pages(query, key_pages, value_pages, lengths, page_indices, options: dict):
+def _over_pages(query, key_pages, value_pages, lengths, page_indices, sinks, options: dict):
     """(out, lse): the decode kernels on the pages in place where they take the call, else
-    `attend` on the gathered caches."""
+    `attend` on the gathered caches; the sinks (or None) joined either way."""
     call = _gathered_call(query, key_pages, value_pages, lengths, page_indices, options)
     implementation = options["implementation"]
     if implementation != "xla" and cuda_impl.paged_reason(call, key_pages.shape[1]) is None:
-        out, lse = cuda_impl.paged_attention(call.config, query, key_pages, value_pages, lengths, page_indices)
+        out, lse = cuda_impl.paged_attention(call.config, query, key_pages, value_pages, lengths, page_indices,
+                                             sinks=sinks)  # fmt: skip
     else:
         keys, values = gather_pages(key_pages, page_indices), gather_pages(value_pages, page_indices)
         call = _cache_call(query, keys, values, jnp.clip(lengths, 0, keys.shape[1]), options)
-        out, lse = attend(call, implementation, return_residual=True)
+        out, lse = attend(call, implementation, True, sinks)
     return out, lse
 
 
-def _over_fp8_pages(query, key_pages, value_pages, key_scale, value_scale, lengths, page_indices, options: dict):
+def _over_fp8_pages(query, key_pages, value_pages, key_scale, value_scale, lengths, page_indices, sinks,
+                    options: dict):  # fmt: skip
     """(out, lse) over fp8 pools: the decode kernels on the pages in place where they read fp8
     (cuda_impl.fp8_decode_reason), else each sequence's pages gathered (1 byte an element),
-    converted to the query's dtype, attended."""
+    converted to the query's dtype, attended; the sinks (or None) joined either way."""
     if options["implementation"] != "xla":
         call = _gathered_call(query, key_pages, value_pages, lengths, page_indices, options, fp8_cache=True)
         if cuda_impl.fp8_decode_reason(call, key_pages.shape[1]) is None:
             return cuda_impl.paged_attention(call.config, query, key_pages, value_pages, lengths, page_indices,
-                                             key_scale, value_scale)  # fmt: skip
-    keys, values = (_fp8.dequantize(gather_pages(pages, page_indices), s, query.dtype)
-                    for pages, s in ((key_pages, key_scale), (value_pages, value_scale)))  # fmt: skip
+                                             key_scale, value_scale, sinks)  # fmt: skip
+    keys, values = _fp8.dequantize_pair(gather_pages(key_pages, page_indices), gather_pages(value_pages, page_indices),
+                                        key_scale, value_scale, query.dtype)  # fmt: skip
     call = _cache_call(query, keys, values, jnp.clip(lengths, 0, keys.shape[1]), options)
-    return attend(call, options["implementation"], return_residual=True)
+    return attend(call, options["implementation"], True, sinks)

@@ -18,6 +18,7 @@ _MASKS = [
     ("bias", "any", "broadcastable to [B, N, T, S], or empty"),
     ("mask", "any", "boolean, broadcastable to [B, N, T, S], or empty"),
 ]
+_SINKS = ("sinks", "f32", "[B, N] natural-log logits joining each row's softmax, or [B, 0]: none")
 _WINDOW_ATTRS = [
     ("scale", "float", ""),
     ("softcap", "float", "0: none"),
@@ -30,7 +31,7 @@ _WINDOW_ATTRS = [
 CUSTOM_CALLS = {
     "fwd": {
         "args": [("q", "any", "[B, T, N, H]"), ("k", "any", "[B, S, K, H]"), ("v", "any", "[B, S, K, Hv]"),
-                 *_MASKS],
+                 *_MASKS, _SINKS],
         "results": [("o", "any", "[B, T, N, Hv]"), ("lse", "f32", "[B, N, T]"),
                     ("tile_scratch", "s32", "[FwdScratch::size_for(B, T, N)]")],
         "attrs": [*_WINDOW_ATTRS, ("family", "i32", "KernelFamily: the plan's, jax_flash/_plan.py")],
@@ -53,7 +54,7 @@ CUSTOM_CALLS = {
                  ("v", "any", "as k"), ("kv_lengths", "s32", "[B, 1] or empty"),
                  ("page_table", "s32", "[B, max_pages], or empty: dense"),
                  ("key_scale", "f32", "[B, K] with fp8 k and v, else [B, 0]"),
-                 ("value_scale", "f32", "[B, K] with fp8 k and v, else [B, 0]")],
+                 ("value_scale", "f32", "[B, K] with fp8 k and v, else [B, 0]"), _SINKS],
         "results": [("o", "any", "[B, T, N, H]"), ("lse", "f32", "[B, N, T]"),
                     ("o_partial", "f32", "split outputs [splits, B, T, N, H] or empty"),
                     ("lse_partial", "f32", "split lse [splits, B, T, N] or empty")],

@@ -10,7 +10,7 @@ import types
 
 import jax.numpy as jnp
 
-from jax_flash import _ffi, paged, xla_impl
+from jax_flash import _ffi, _sinks, paged, xla_impl
 from jax_flash._validation import AttentionConfig, Call
 
 
@@ -33,15 +33,20 @@ def _dbias_result(dbias, result_type):
     return jnp.pad(dbias.astype(jnp.float32), pads)
 
 
+def _with_sinks(out, lse, sinks):
+    """The kernels' sinks operand ([B, N], or [B, 0]: none) joined to (out, lse [B, T, N])."""
+    return (out, lse) if sinks.shape[1] == 0 else _sinks.apply(out, lse, sinks[:, None, :])
+
+
 def call_kernel(target: str, result_types, operands, attrs: dict):
     attrs = _ffi.checked_attrs(target, operands, result_types, attrs)  # as the real call checks them
     if target == "jax_flash_fwd":
         x = operands
         call = _call(attrs, x.q, x.k, x.v, x.seqlens, x.q_segments, x.kv_segments, x.bias, x.mask)
-        out, lse = xla_impl.attention(call)
+        out, lse = _with_sinks(*xla_impl.attention(call), x.sinks)
         return out, lse.transpose(0, 2, 1), _zeros(result_types.tile_scratch)
     if target == "jax_flash_decode":
-        q, k, v, kv_lengths, page_table, key_scale, value_scale = operands
+        q, k, v, kv_lengths, page_table, key_scale, value_scale, sinks = operands
         if page_table.shape[1]:  # a pool of pages: the sequences' caches gathered from it
             k, v = paged.gather_pages(k, page_table), paged.gather_pages(v, page_table)
         out_dtype = q.dtype
@@ -53,15 +58,18 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
         seqlens = empty
         if kv_lengths.shape[1]:  # clamped into the cache, as the kernels do
             seqlens = jnp.stack([jnp.full((b,), t, jnp.int32), jnp.clip(kv_lengths[:, 0], 0, s)], -1)
-        out, lse = xla_impl.attention(_call(attrs, q, k, v, seqlens, empty, empty, empty, empty))
+        out, lse = _with_sinks(*xla_impl.attention(_call(attrs, q, k, v, seqlens, empty, empty, empty, empty)), sinks)
         return (out.astype(out_dtype), lse.astype(jnp.float32).transpose(0, 2, 1), _zeros(result_types.o_partial),
                 _zeros(result_types.lse_partial))  # fmt: skip
     x, r = operands, result_types
     call = _call(attrs, x.q, x.k, x.v, x.seqlens, x.q_segments, x.kv_segments, x.bias, x.mask)
     d_lse = jnp.zeros(x.lse.shape, x.lse.dtype) if x.dlse.size == 0 else x.dlse  # empty: the lse unused
     dq, dk, dv, dbias = xla_impl.backward(call, x.o, x.lse.transpose(0, 2, 1), x.dout, d_lse.transpose(0, 2, 1))
-    scratch = [_zeros(t) for t in (r.dq_accum, r.delta, r.lse_log2, r.dq_turns)]
-    return (dq.astype(r.dq.dtype), dk, dv, *scratch, _dbias_result(dbias, r.dbias))
+    # delta as the kernels leave it: rowsum(dO * O) - d lse, 0 past T
+    delta = jnp.einsum("btnh,btnh->bnt", x.dout.astype(jnp.float32), x.o.astype(jnp.float32)) - d_lse
+    delta = jnp.pad(delta, [(0, 0), (0, 0), (0, r.delta.shape[2] - delta.shape[2])])
+    scratch = [_zeros(t) for t in (r.lse_log2, r.dq_turns)]
+    return (dq.astype(r.dq.dtype), dk, dv, _zeros(r.dq_accum), delta, *scratch, _dbias_result(dbias, r.dbias))
 
 
 def _zeros(result_type):

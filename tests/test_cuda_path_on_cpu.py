@@ -182,7 +182,7 @@ def test_auto_mode_takes_the_kernels_where_they_run(kernel_calls):
     kernel_calls.clear()
     jax_flash.attention(q, k, v, bias=jnp.zeros((1, 2, 16, 16), jnp.float32), mask=jnp.ones((2, 2, 16, 1), bool))
     assert [target for target, _ in kernel_calls] == ["jax_flash_fwd"]
-    assert kernel_calls[0][1][-2:] == [(1, 2, 16, 16), (2, 2, 16, 1)]  # passed as given, not broadcast
+    assert kernel_calls[0][1][-3:-1] == [(1, 2, 16, 16), (2, 2, 16, 1)]  # passed as given, not broadcast (then the sinks)
     kernel_calls.clear()
     jax_flash.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))  # float32
     assert kernel_calls == []

@@ -15,14 +15,16 @@ def test_the_mask_operands_are_in_the_order_of_kernel_masks():
     for operands in (_operands.FwdOperands, _operands.BwdOperands):
         fields = operands._fields
         start = fields.index("seqlens")
-        assert fields[start:start + len(KernelMasks._fields)] == KernelMasks._fields
-        assert fields[-2:] == ("bias", "mask")
+        end = start + len(KernelMasks._fields)
+        assert fields[start:end] == KernelMasks._fields
+        assert fields[end:end + 2] == ("bias", "mask")
 
 
 def _decode_call():
     x = jnp.zeros((1, 1, 1, 64), jnp.bfloat16)
     empty = jnp.zeros((1, 0), jnp.int32)
-    operands = _operands.DecodeOperands(x, x, x, kv_lengths=empty, page_table=empty, key_scale=empty, value_scale=empty)
+    operands = _operands.DecodeOperands(x, x, x, kv_lengths=empty, page_table=empty, key_scale=empty, value_scale=empty,
+                                        sinks=jnp.zeros((1, 0), jnp.float32))
     results = _operands.DecodeResults(*(jax.ShapeDtypeStruct(s, d) for s, d in [
         (x.shape, x.dtype), ((1, 1, 1), jnp.float32), ((0,), jnp.float32), ((0,), jnp.float32)]))  # fmt: skip
     attrs = {name: np.int32(0) for name in _operands.TARGETS["jax_flash_decode"][2]}

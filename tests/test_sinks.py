@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _decode, dense_impl
+from jax_flash import _decode, _operands, dense_impl
 from jax_flash.flax import linen as flax_linen
 from jax_flash.flax import nnx as flax_nnx
 from tests import fake_kernels, reference
@@ -190,3 +190,65 @@ def test_decode_kernels_path(monkeypatch):
     assert [target for target, _ in calls] == ["jax_flash_decode"]
     ref_out, ref_lse = reference.attention(q, k, v, sinks=sinks, **kw)
     assert reference.rel_error(out, ref_out) < 2e-2 and reference.rel_error(lse, ref_lse) < 1e-3
+
+
+def _sinks_operand(calls, target):
+    """The shape of the sinks operand of each recorded call of `target`."""
+    index = _operands.TARGETS[target][0]._fields.index("sinks")
+    return [shapes[index] for name, shapes in calls if name == target]
+
+
+@pytest.mark.parametrize("t,target", [(48, "jax_flash_fwd"), (1, "jax_flash_decode")])
+def test_the_kernels_take_the_sinks_themselves(monkeypatch, t, target):
+    """The sinks reach the forward and decode kernels as an operand, each batch row's [B, N] (their
+    softmax finish joins them); without sinks the operand is empty. The answer is the reference's."""
+    calls = fake_kernels.record_calls(monkeypatch)
+    monkeypatch.setattr(_decode, "sm_count", lambda: 132)
+    rng, q, k, v, sinks = _inputs("operand", t, 64, jnp.float16)
+    out, lse = jax_flash.attention(q, k, v, sinks=sinks, implementation="cuda", return_residual=True)
+    jax_flash.attention(q, k, v, implementation="cuda")
+    assert _sinks_operand(calls, target) == [(B, N), (B, 0)]
+    ref_out, ref_lse = reference.attention(q, k, v, sinks=sinks)
+    assert reference.rel_error(out, ref_out) < 2e-2 and reference.rel_error(lse, ref_lse) < 1e-3
+
+
+@pytest.mark.parametrize("mapped", ["queries", "queries and sinks"])
+def test_vmap_folds_the_sinks_with_their_heads_or_rows(monkeypatch, mapped):
+    """vmap over the queries alone runs one call with the mapped axis folded into the heads (the
+    sinks repeated to follow them); with the sinks mapped too, folded into the batch. Either way
+    each element's answer is its own call's."""
+    calls = fake_kernels.record_calls(monkeypatch)
+    rng, q, k, v, sinks = _inputs("vmap " + mapped, 32, 40, jnp.float16)
+    qs = jnp.stack([q, q[:, ::-1]])
+    many_sinks = jnp.stack([sinks, sinks[::-1] - 1.0])
+    run = lambda q, s: jax_flash.attention(q, k, v, sinks=s, is_causal=True, implementation="cuda")  # noqa: E731
+    if mapped == "queries":
+        out = jax.vmap(run, in_axes=(0, None))(qs, sinks)
+        want = [run(x, sinks) for x in qs]
+        assert (B, 2 * N) in _sinks_operand(calls, "jax_flash_fwd")  # (custom_vmap also traces one element)
+    else:
+        out = jax.vmap(run)(qs, many_sinks)
+        want = [run(x, s) for x, s in zip(qs, many_sinks)]
+        assert (2 * B, N) in _sinks_operand(calls, "jax_flash_fwd")
+    for got, ref in zip(out, want):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=2e-3)
+
+
+def test_forward_mode_takes_the_sinks_tangent(monkeypatch):
+    """jax.jvp on the CUDA path (its tangent by the xla path's formula, beside the kernels'
+    forward) gives the xla path's tangent, the sinks' part included."""
+    fake_kernels.record_calls(monkeypatch)
+    rng, q, k, v, sinks = _inputs("jvp", 24, 40, jnp.float32)
+    q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
+    tangents = tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in (q, k, v, sinks))
+
+    def f(implementation):
+        return lambda q, k, v, s: jax_flash.attention(q, k, v, sinks=s, is_causal=True, return_residual=True,
+                                                      implementation=implementation)  # fmt: skip
+
+    (out, lse), (d_out, d_lse) = jax.jvp(f(None), (q, k, v, sinks), tangents)
+    _, (want_out, want_lse) = jax.jvp(f("xla"), (q, k, v, sinks), tangents)
+    assert reference.rel_error(d_out, want_out) < 2e-2 and reference.rel_error(d_lse, want_lse) < 2e-2
+    only_sinks = tuple(jnp.zeros_like(x) for x in (q, k, v)) + (tangents[3],)
+    _, (d_out, d_lse) = jax.jvp(f(None), (q, k, v, sinks), only_sinks)
+    assert float(jnp.abs(d_lse).max()) > 0  # the sinks' own tangent reaches the lse

@@ -66,6 +66,10 @@ struct FwdParams {
   // (AttentionConfig.diagonal_by_lengths): jax.nn's alignment where T == S, lengths elsewhere.
   // Last, in the struct's tail padding: the kernels that never read it keep their layout.
   bool diagonal_by_lengths;
+  // Attention sinks: [B, N] float32, one natural-log logit per batch row and query head that joins
+  // each row's softmax in its finish (common/row_total.cuh's RowTotal::finish); nullptr: none. Read by
+  // the forwards alone (the backward takes it through the lse).
+  const float* sinks;
 };
 
 // The layout of the sm90 forward's int32 scratch, for a kernel of `tiles` tiles: the persistent

@@ -3,42 +3,26 @@
 // or the soft cap) and its sum of exponentials (relative to that maximum), the factor that
 // normalises its O (0 for a row that saw nothing visible) and its log-sum-exp (-inf then).
 //
-// A per-head logit that enters each row's softmax once, beside its keys' (attention sinks), is
-// the `extra` argument: a type with kPresent and logit() (in the same natural-log units as
-// max * unit). It adds exp(extra - max * unit) to the sum, so it lowers O's factor and raises
-// the lse, and a row with no visible key gets output 0 and lse = extra. NoExtraLogit is none
-// (the code is then what it was without the argument). Every finish takes it from
-// extra_logit(p, head), the one place that reads it from the call's parameters; where rows are
-// merged from parts (split-KV decode's splits), only the final merge passes it.
+// A per-head logit that enters each row's softmax once, beside its keys' (attention sinks:
+// FwdParams::sinks, natural-log units) joins in `join_sink`, the one place that reads it: it
+// lowers O's factor and raises the lse, and a row with no visible key gets output 0 and lse = the
+// sink. Where rows are merged from parts (split-KV decode's splits), only the final merge takes it.
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 namespace jax_flash {
 
-struct NoExtraLogit {
-  static constexpr bool kPresent = false;
-  __device__ __forceinline__ float logit() const { return -INFINITY; }
-};
-
-// The extra logit of a head of the call, for every finish: none yet.
+// The sink of a (batch row, query head) of a call with sinks.
 template <typename Params>
-__device__ __forceinline__ NoExtraLogit extra_logit(const Params& p, int head) {
-  (void)p, (void)head;
-  return {};
-}
-
-// The extra logit where `take` (a merge's last step), none where not (a part that a later merge
-// finishes): one type either way, so that the finish is computed once.
-template <typename Params>
-__device__ __forceinline__ auto extra_logit_if(bool take, const Params& p, int head) {
-  (void)take;
-  return extra_logit(p, head);
+__device__ __forceinline__ float sink_of(const Params& p, int batch, int head) {
+  return p.sinks[batch * p.heads + head];
 }
 
 struct RowTotal {
   float sum;
-  bool empty;  // nothing visible: output 0, lse -inf (or the extra logit)
+  bool empty;  // nothing visible: output 0, lse -inf (or the sink)
 
   // From a quad's four parts (the accumulator layout: each of a quad's threads holds a part).
   __device__ __forceinline__ explicit RowTotal(const float& thread_sum) : sum(thread_sum) {
@@ -56,23 +40,33 @@ struct RowTotal {
     whole.empty = whole.sum == 0.f;
     return whole;
   }
-  // The factor that normalises O. `max` and `unit` as for lse (unused without an extra logit).
-  template <typename Extra = NoExtraLogit>
-  __device__ __forceinline__ float inv(const float& max, const float& unit, const Extra& extra = {}) const {
-    if constexpr (Extra::kPresent) {
-      return empty ? 0.f : 1.f / (sum + expf(extra.logit() - max * unit));
-    } else {
-      (void)max, (void)unit;
-      return empty ? 0.f : 1.f / sum;
-    }
+  // The factor that normalises O (`inv`: 0 for a row that saw nothing) and the lse (-inf then),
+  // from the row's `max` in units of `unit`, without a sink: a part that a merge finishes later.
+  __device__ __forceinline__ void finish_part(const float& max, const float& unit, float& inv, float& lse) const {
+    inv = empty ? 0.f : 1.f / sum;
+    lse = empty ? -INFINITY : max * unit + logf(sum);
   }
-  template <typename Extra = NoExtraLogit>
-  __device__ __forceinline__ float lse(const float& max, const float& unit, const Extra& extra = {}) const {
-    if constexpr (Extra::kPresent) {
-      const float e = extra.logit(), m = max * unit, top = fmaxf(m, e);
-      return empty ? e : top + logf(sum * expf(m - top) + expf(e - top));
+  // The same with a sink in the row's softmax (a row that saw nothing: inv 0, lse = the sink).
+  // exp(sink - m) may overflow: inv is then 0, its limit; past e^80 the row's own sum (below 2^31)
+  // no longer moves the lse in float, which is the sink.
+  __device__ __forceinline__ void finish_with_sink(const float& max, const float& unit, const float& sink, float& inv,
+                                                   float& lse) const {
+    const float m = max * unit, whole = sum + expf(sink - m);
+    inv = empty ? 0.f : 1.f / whole;
+    lse = empty || sink - m > 80.f ? sink : m + logf(whole);
+  }
+  // A whole row of (batch, head): with its sink where the call has sinks. The branch depends on
+  // the call alone (uniform), and a call without sinks runs the code it ran before they existed
+  // (the same bits, no register held for the sink's math). ptxas is touchy here: a sink of -inf
+  // in every thread's path cost decode's split kernel 20 registers, and so did its sink read
+  // through sink_of rather than in place (decode/tile_output.cuh).
+  template <typename Params>
+  __device__ __forceinline__ void finish(const float& max, const float& unit, const Params& p, const int& batch,
+                                         const int& head, float& inv, float& lse) const {
+    if (p.sinks != nullptr) {
+      finish_with_sink(max, unit, sink_of(p, batch, head), inv, lse);
     } else {
-      return empty ? -INFINITY : max * unit + logf(sum);
+      finish_part(max, unit, inv, lse);
     }
   }
 

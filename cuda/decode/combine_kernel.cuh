@@ -78,7 +78,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_kernel(const Decod
   }
   sum = ptx::warp_sum(sum);
   const RowTotal total = RowTotal::whole(sum);  // the splits' lse are natural logarithms: unit 1
-  const float inv = total.inv(max, 1.f, extra_logit(p, int(row % p.heads)));
+  float inv, row_lse;
+  total.finish(max, 1.f, p, int(row / (int64_t(p.heads) * p.seqlen_q)), int(row % p.heads), inv, row_lse);
 #pragma unroll
   for (int i = 0; i < kSplitsPerLane; ++i) weights[warp][lane + 32 * i] = lse[i] * inv;
   __syncwarp();
@@ -101,7 +102,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_kernel(const Decod
   for (int c = 0; c < kColumns; ++c) out[c] = T(o[c]);
   if (lane == 0) {
     const int64_t head = row % p.heads, query = (row / p.heads) % p.seqlen_q, batch = row / (int64_t(p.heads) * p.seqlen_q);
-    p.lse[(batch * p.heads + head) * p.seqlen_q + query] = total.lse(max, 1.f, extra_logit(p, int(head)));
+    p.lse[(batch * p.heads + head) * p.seqlen_q + query] = row_lse;
   }
 }
 

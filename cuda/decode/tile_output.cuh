@@ -73,12 +73,15 @@ __device__ __forceinline__ void merge_and_store(const DecodeParams& p, const Pac
       const float4 x = *reinterpret_cast<const float4*>(merged_o + (w * kRows + row) * kRowFloats + col);
       o.x += weight * x.x, o.y += weight * x.y, o.z += weight * x.z, o.w += weight * x.w;
     }
-    // With one split the row is whole and takes the extra logit here; a split's part leaves it
-    // to the combine.
+    // With one split the row is whole and takes its sink here; a split's part leaves it to the
+    // combine. The sink is read in place: through sink_of, ptxas held 20 more registers.
     const RowTotal total = RowTotal::whole(sum);
-    const auto extra = extra_logit_if(p.splits == 1, p, rows.head(row));
-    float inv = total.inv(max, unit, extra);
-    const float lse = total.lse(max, unit, extra);
+    float inv, lse;
+    if (p.splits == 1 && p.sinks != nullptr) {
+      total.finish_with_sink(max, unit, p.sinks[batch * p.heads + rows.head(row)], inv, lse);
+    } else {
+      total.finish_part(max, unit, inv, lse);
+    }
     if constexpr (Cfg::kFp8) {
       inv *= __ldg(p.value_scale + batch * p.kv_heads + rows.kv_head);  // V was stored divided by it
     }

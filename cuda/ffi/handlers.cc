@@ -199,6 +199,17 @@ ffi::Error check_kernel_family(int32_t family) {
   return ffi::Error::Success();
 }
 
+// The sinks operand: [B, N] float32 (each batch row's query heads'), or empty for none.
+ffi::Error fill_sinks(const ffi::Buffer<ffi::F32>& sinks, FwdParams* p) {
+  if (sinks.element_count() == 0) return ffi::Error::Success();
+  if (!has_shape(sinks, {p->batch, p->heads})) {
+    return ffi::Error::InvalidArgument("jax_flash: sinks must be [B, N] = [" + std::to_string(p->batch) + ", " +
+                                       std::to_string(p->heads) + "] or empty, got " + shape_string(sinks.dimensions()));
+  }
+  p->sinks = sinks.typed_data();
+  return ffi::Error::Success();
+}
+
 ffi::Error launch_status(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
     return ffi::Error::Internal(std::string("jax_flash: ") + what + " launch failed: " +
@@ -219,6 +230,7 @@ ffi::Error fwd_impl(JAX_FLASH_FWD_PARAMS) {
   }
   if (ffi::Error e = fill_masks(seqlens, q_segments, kv_segments, q_chunks, kv_chunks, &p); e.failure()) return e;
   if (ffi::Error e = fill_bias(bias, mask, q.element_type(), &p); e.failure()) return e;
+  if (ffi::Error e = fill_sinks(sinks, &p); e.failure()) return e;
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
   const int64_t scratch_size = FwdScratch::size_for(p.batch, p.seqlen_q, p.heads);
@@ -352,6 +364,7 @@ ffi::Error decode_impl(JAX_FLASH_DECODE_PARAMS) {
     }
     p.kv_lengths = kv_lengths.typed_data();
   }
+  if (ffi::Error e = fill_sinks(sinks, &p); e.failure()) return e;
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
   p.splits = splits;

@@ -21,6 +21,7 @@
   .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()  /* kv_chunks: [B, S / 64, 6] or empty */ \
   .Arg<::xla::ffi::AnyBuffer>()  /* bias: broadcastable to [B, N, T, S], or empty */ \
   .Arg<::xla::ffi::AnyBuffer>()  /* mask: boolean, broadcastable to [B, N, T, S], or empty */ \
+  .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* sinks: [B, N] natural-log logits joining each row's softmax, or [B, 0]: none */ \
   .Ret<::xla::ffi::AnyBuffer>()  /* o: [B, T, N, Hv] */ \
   .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* lse: [B, N, T] */ \
   .Ret<::xla::ffi::Buffer<::xla::ffi::S32>>()  /* tile_scratch: [FwdScratch::size_for(B, T, N)] */ \
@@ -43,6 +44,7 @@
   ::xla::ffi::Buffer<::xla::ffi::S32> kv_chunks, \
   ::xla::ffi::AnyBuffer bias, \
   ::xla::ffi::AnyBuffer mask, \
+  ::xla::ffi::Buffer<::xla::ffi::F32> sinks, \
   ::xla::ffi::Result<::xla::ffi::AnyBuffer> o, \
   ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::F32>> lse, \
   ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::S32>> tile_scratch, \
@@ -130,6 +132,7 @@
   .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()  /* page_table: [B, max_pages], or empty: dense */ \
   .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* key_scale: [B, K] with fp8 k and v, else [B, 0] */ \
   .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* value_scale: [B, K] with fp8 k and v, else [B, 0] */ \
+  .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* sinks: [B, N] natural-log logits joining each row's softmax, or [B, 0]: none */ \
   .Ret<::xla::ffi::AnyBuffer>()  /* o: [B, T, N, H] */ \
   .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* lse: [B, N, T] */ \
   .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* o_partial: split outputs [splits, B, T, N, H] or empty */ \
@@ -150,6 +153,7 @@
   ::xla::ffi::Buffer<::xla::ffi::S32> page_table, \
   ::xla::ffi::Buffer<::xla::ffi::F32> key_scale, \
   ::xla::ffi::Buffer<::xla::ffi::F32> value_scale, \
+  ::xla::ffi::Buffer<::xla::ffi::F32> sinks, \
   ::xla::ffi::Result<::xla::ffi::AnyBuffer> o, \
   ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::F32>> lse, \
   ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::F32>> o_partial, \

@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
     }
   }
 
-  store_output<Cfg>(acc_o, row_max, row_sum, logits.unit, p, head, sQ, gO, gLse, q_row_stride, rows_valid, warp_row0,
+  store_output<Cfg>(acc_o, row_max, row_sum, logits.unit, p, batch, head, sQ, gO, gLse, q_row_stride, rows_valid, warp_row0,
                     lane);
 }
 

@@ -177,7 +177,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) wide_fwd_kernel(const FwdPar
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const RowTotal total = split.total(own[r], r);
-    const float inv = total.inv(row_max[r], logits.unit, extra_logit(p, head));
+    float inv, lse;
+    total.finish(row_max[r], logits.unit, p, batch, head, inv, lse);
     if (rows[r] < rows_valid) {
 #pragma unroll
       for (int n8 = 0; n8 < kOTiles; ++n8) {
@@ -185,7 +186,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) wide_fwd_kernel(const FwdPar
             ptx::pack2<T>(o[4 * n8 + 2 * r] * inv, o[4 * n8 + 2 * r + 1] * inv);
       }
       if (half == 0 && lane % 4 == 0) {
-        p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_first + rows[r]] = total.lse(row_max[r], logits.unit, extra_logit(p, head));
+        p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_first + rows[r]] = lse;
       }
     }
   }

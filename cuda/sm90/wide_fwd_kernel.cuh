@@ -160,7 +160,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const RowTotal total = split.total(own[r], r);
-    const float inv = total.inv(row_max[r], logits.unit, extra_logit(p, head));
+    float inv, lse;
+    total.finish(row_max[r], logits.unit, p, batch, head, inv, lse);
     if (rows[r] < rows_valid) {
 #pragma unroll
       for (int c = 0; c < kOChunks; ++c)
@@ -171,8 +172,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Band& band, co
               ptx::pack2<T>(o[c][i] * inv, o[c][i + 1] * inv);
         }
       if (consumer == 0 && rank == 0 && lane % 4 == 0) {
-        p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_first + rows[r]] =
-            total.lse(row_max[r], logits.unit, extra_logit(p, head));
+        p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_first + rows[r]] = lse;
       }
     }
   }

@@ -16,7 +16,7 @@ namespace jax_flash::sm80 {
 template <typename Cfg, int kMTiles>
 __device__ __forceinline__ void store_output(const float (&acc_o)[kMTiles][Cfg::kHeadDim / 8][4],
                                              const float (&row_max)[kMTiles][2], const float (&row_sum)[kMTiles][2],
-                                             float unit, const FwdParams& p, int head, uint32_t sQ,
+                                             float unit, const FwdParams& p, int batch, int head, uint32_t sQ,
                                              typename Cfg::T* gO, float* gLse,
                                              int64_t q_row_stride, int rows_valid, int warp_row0, int lane) {
   using T = typename Cfg::T;
@@ -28,14 +28,15 @@ __device__ __forceinline__ void store_output(const float (&acc_o)[kMTiles][Cfg::
   for (int r = 0; r < 2; ++r) {
     const int row = warp_row0 + mt * 16 + r * 8 + lane / 4;
     const RowTotal total(row_sum[mt][r]);
-    const float inv = total.inv(row_max[mt][r], unit, extra_logit(p, head));
+    float inv, lse;
+    total.finish(row_max[mt][r], unit, p, batch, head, inv, lse);
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d) {
       const uint32_t packed = ptx::pack2<T>(acc_o[mt][d][2 * r] * inv, acc_o[mt][d][2 * r + 1] * inv);
       ptx::st_shared_b32(sQ + QTile::offset(row, d) + (lane % 4) * 4, packed);
     }
     if (lane % 4 == 0 && row < rows_valid) {
-      gLse[row] = total.lse(row_max[mt][r], unit, extra_logit(p, head));
+      gLse[row] = lse;
     }
   }
   __syncwarp();

@@ -26,10 +26,11 @@ __device__ __forceinline__ void write_lse(const FwdParams& p, const int& batch, 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const RowTotal total(row_sum[r]);
-    inv[r] = total.inv(row_max[r], unit, extra_logit(p, head));
+    float lse;
+    total.finish(row_max[r], unit, p, batch, head, inv[r], lse);
     const int row = row_in_tile(r);
     if (lane % 4 == 0 && row < rows_valid) {
-      p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_first + row] = total.lse(row_max[r], unit, extra_logit(p, head));
+      p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_first + row] = lse;
     }
   }
 }
