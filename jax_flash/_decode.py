@@ -27,7 +27,10 @@ CTAS_PER_SM = 1
 # H100 (decode D8) and 3.1 TB/s on an H200, where that is 65% of its HBM (decode D10). One split is
 # enough once the tiles' CTAs together stream ONE_SPLIT_HBM_SHARE of the GPU's peak: fewer
 # tiles are split (each split's CTA streams as fast), and the combine costs less than the gain.
-CTA_STREAM_RATE = 47e9
+# The rate is one of elements, not bytes: an fp8 cache's CTA (half the bytes an element, each
+# dequantised) streamed 21 GB/s, 0.45x of that (H100, 8 x 32k, one split: 41% of HBM), so its
+# tiles need twice as many CTAs to stream the peak.
+CTA_STREAM_RATE = 47e9  # bytes of a 16-bit cache
 ONE_SPLIT_HBM_SHARE = 0.85
 # A paged cache needs more: each load waits for its page's index, which the CTAs of one split an
 # SM do not hide (8 x 8k, pages of 64: one split 19% slower than the dense cache, two 6%; D8).
@@ -62,17 +65,18 @@ def sm_count() -> int:
     return _device.sm_count()
 
 
-def one_split_tiles(paged: bool) -> float:
-    """Row tiles from which one split streams the cache near the HBM's peak (at most a wave)."""
+def one_split_tiles(paged: bool, kv_bytes: int = 2) -> float:
+    """Row tiles from which one split streams the cache (of `kv_bytes` an element) near the HBM's
+    peak (at most a wave)."""
     slots = CTAS_PER_SM * sm_count()
-    by_bandwidth = ONE_SPLIT_HBM_SHARE * _device.hbm_peak()[1] / CTA_STREAM_RATE
+    by_bandwidth = ONE_SPLIT_HBM_SHARE * _device.hbm_peak()[1] / (CTA_STREAM_RATE * kv_bytes / 2)
     return min(slots, max(by_bandwidth, PAGED_ONE_SPLIT_SHARE * slots) if paged else by_bandwidth)
 
 
 def splits(batch: int, queries: int, heads: int, kv_heads: int, seqlen_k: int, head_dim: int,
-           paged: bool = False) -> int:
-    """Splits of each row tile's keys, from the wave-efficiency of CTAS_PER_SM CTAs an SM. With
-    `one_split_tiles` tiles or more, one. Otherwise as many as still fit one wave (every SM
+           paged: bool = False, kv_bytes: int = 2) -> int:
+    """Splits of each row tile's keys (a cache of `kv_bytes` an element), from the wave-efficiency
+    of CTAS_PER_SM CTAs an SM. With `one_split_tiles` tiles or more, one. Otherwise as many as still fit one wave (every SM
     streams, and one wave has no tail), if that wave is at least 85% as efficient as the best split
     count's; else the fewest splits that are (FlashAttention's rule). Each warp keeps at least one
     block of keys."""
@@ -81,7 +85,7 @@ def splits(batch: int, queries: int, heads: int, kv_heads: int, seqlen_k: int, h
         return max(1, min(MAX_SPLITS, int(forced)))
     tiles = batch * kv_heads * row_tiles(queries, heads, kv_heads)
     slots = CTAS_PER_SM * sm_count()
-    if tiles >= one_split_tiles(paged):
+    if tiles >= one_split_tiles(paged, kv_bytes):
         return 1
     warps = 4 if head_dim <= 128 else 2
     most = max(1, min(MAX_SPLITS, -(-seqlen_k // BLOCK_KEYS) // warps))

@@ -63,6 +63,17 @@ def test_split_rule_of_a_paged_cache(monkeypatch):
     assert _decode.splits(64, 1, 32, 8, 4096, 128, paged=True) == 1
 
 
+def test_split_rule_of_an_fp8_cache(monkeypatch):
+    # A CTA streams elements at the 16-bit rate, half the bytes: 64 tiles of one split would read
+    # an fp8 cache at 41% of an H100's HBM, so they take two (128 CTAs); 512 tiles still fill it.
+    monkeypatch.setattr(_decode, "sm_count", lambda: 132)
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")])
+    assert _decode.splits(8, 1, 32, 8, 32768, 128) == 1
+    assert _decode.splits(8, 1, 32, 8, 32768, 128, kv_bytes=1) == 2
+    assert _decode.splits(64, 1, 32, 8, 4096, 128, kv_bytes=1) == 1
+    assert _decode.one_split_tiles(False, kv_bytes=1) == pytest.approx(2 * _decode.one_split_tiles(False))
+
+
 @pytest.mark.parametrize("kind,expected", [("NVIDIA H100 80GB HBM3", 1), ("NVIDIA H200", 2), ("NVIDIA H100 PCIe", 1)])
 def test_one_split_needs_the_tiles_to_stream_the_hbms_peak(kind, expected, monkeypatch):
     # 64 tiles of one split stream 3.0 TB/s: near an H100's peak, 65% of an H200's (decode D10)
@@ -112,7 +123,7 @@ def test_attention_takes_the_decode_target(targets, kw):
                                    return_residual=True, **kw)  # fmt: skip
     assert [c[0] for c in targets] == ["jax_flash_decode"]
     _, operand_shapes, result_shapes, attrs = targets[0]
-    assert operand_shapes == [q.shape, k.shape, v.shape, (3, 1), (3, 0), (3, 0), (3, 0)]  # no pages, no fp8 scales
+    assert operand_shapes == [q.shape, k.shape, v.shape, (3, 1), (3, 0), (3, 0), (3, 0), (3, 0)]  # no pages, fp8 scales or sinks
     splits = int(attrs["splits"])
     assert result_shapes[2] == ((splits, 3, 2, 8, 64) if splits > 1 else (0,))
     ref_out, ref_lse = reference.attention(q, k, v, key_value_seq_lengths=lengths, **kw)
@@ -157,7 +168,7 @@ def test_paged_attention_reads_the_pool_in_place(targets):
     q, kp, vp, lens, table, dense_k, dense_v = paged_problem(rng, 3, 2, 8, 2, 64, 32, 4, [100, 1, 64])
     out = jax_flash.paged_attention(q, kp, vp, lens, table, is_causal=True, implementation="cuda")
     assert [c[0] for c in targets] == ["jax_flash_decode"]
-    assert targets[0][1] == [q.shape, kp.shape, vp.shape, (3, 1), table.shape, (3, 0), (3, 0)]  # no fp8 scales
+    assert targets[0][1] == [q.shape, kp.shape, vp.shape, (3, 1), table.shape, (3, 0), (3, 0), (3, 0)]  # no fp8 scales or sinks
     ref, _ = reference.attention(q, dense_k, dense_v, key_value_seq_lengths=lens, query_seq_lengths=jnp.full((3,), 2),
                                  is_causal=True)  # fmt: skip
     assert reference.rel_error(out, ref) < 1e-2
