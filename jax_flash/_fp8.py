@@ -65,6 +65,11 @@ def dequantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return (x.astype(jnp.float32) * scale[:, None]).astype(dtype)
 
 
+def dequantize_pair(key, value, key_scale, value_scale, dtype) -> tuple[jax.Array, jax.Array]:
+    """(key, value) of an fp8 cache, each `dequantize`d with its scales."""
+    return dequantize(key, key_scale, dtype), dequantize(value, value_scale, dtype)
+
+
 def forward_only(fn, *args, what: str | None = None):
     """fn(*args) (arrays, or pytrees of them), refusing every derivative: a call with an fp8 cache
     is forward only (or, named by `what`, a function that is)."""

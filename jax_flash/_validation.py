@@ -235,6 +235,38 @@ def _check_window(local_window_size, reach: int):
     return min(left, reach), min(right, reach)
 
 
+def check_scale(scale, head_dim: int) -> float:
+    """The logit scale as a float: 1 / sqrt(head_dim) for None (1 where H = 0: an empty output, no
+    logits to scale), else a finite real number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"scale must be None or a real number, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def check_softcap(softcap) -> float | None:
+    """None, or a soft cap in (0, MAX_SOFTCAP]."""
+    softcap = _check_positive_float(softcap, "softcap")
+    if softcap is not None and softcap > MAX_SOFTCAP:
+        raise ValueError(f"softcap must be at most {MAX_SOFTCAP:g} (a larger cap changes no float32 logit "
+                         f"but overflows; pass None for no cap), got {softcap:g}")  # fmt: skip
+    return softcap
+
+
+def check_starts(starts, name: str, total: int, sequences: int | None = None) -> jax.Array:
+    """Packed sequences' starts as int32 [S + 1] (S = `sequences` where given, else any S >= 1):
+    clamped into [0, total], the first 0, then nondecreasing (a running maximum)."""
+    starts = as_clamped_int32(starts, name, 0, total)
+    if sequences is None and (starts.ndim != 1 or starts.shape[0] < 2):
+        raise ValueError(f"{name} must have shape [S + 1] with S >= 1 sequences, got {starts.shape}")
+    if sequences is not None and starts.shape != (sequences + 1,):
+        raise ValueError(f"{name} must have shape [S + 1] = ({sequences + 1},), got {starts.shape}")
+    return jax.lax.cummax(starts.at[0].set(0))
+
+
 def _check_positive_float(x, name: str, allow_none: bool = True) -> float | None:
     if x is None and allow_none:
         return None
@@ -303,19 +335,11 @@ def validate(
         kv_segment_ids = _check_segments(kv_segment_ids, "kv_segment_ids", b, s, batched)
         q_segment_ids, kv_segment_ids = _segments_as_int32(q_segment_ids, kv_segment_ids)
 
-    if scale is None:
-        scale = 1.0 / math.sqrt(h) if h else 1.0  # H = 0: an empty output, no logits to scale
-    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
-        raise TypeError(f"scale must be None or a real number, got {type(scale).__name__}")
-    if not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be finite, got {scale}")
+    scale = check_scale(scale, h)
     left, right = _check_window(local_window_size, reach=s + t)
     if is_causal:
         right = 0 if right is None else min(right, 0)
-    softcap = _check_positive_float(softcap, "softcap")
-    if softcap is not None and softcap > MAX_SOFTCAP:
-        raise ValueError(f"softcap must be at most {MAX_SOFTCAP:g} (a larger cap changes no float32 logit "
-                         f"but overflows; pass None for no cap), got {softcap:g}")  # fmt: skip
+    softcap = check_softcap(softcap)
     config = AttentionConfig(
         scale=float(scale),
         window_left=left,

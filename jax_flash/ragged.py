@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _fp8, _sinks
-from jax_flash._validation import INPUT_DTYPES, _as_array, as_clamped_int32
+from jax_flash._validation import (INPUT_DTYPES, _as_array, _check_window, as_clamped_int32, check_scale, check_softcap,
+                                   check_starts)
 
 # Bytes of keys and values (float32) one step of the walk gathers for all queries at most.
 CHUNK_BYTES = 64 * 2**20
@@ -53,10 +54,7 @@ def _check(queries, key_pages, value_pages, kv_lengths, page_indices, query_star
     kv_lengths = as_clamped_int32(kv_lengths, "kv_lengths", 0, max_pages * page_size)
     if kv_lengths.shape != (sequences,):
         raise ValueError(f"kv_lengths must have shape [S] = ({sequences},), got {kv_lengths.shape}")
-    query_starts = as_clamped_int32(query_starts, "query_starts", 0, queries.shape[0])
-    if query_starts.shape != (sequences + 1,):
-        raise ValueError(f"query_starts must have shape [S + 1] = ({sequences + 1},), got {query_starts.shape}")
-    query_starts = jax.lax.cummax(query_starts.at[0].set(0))
+    query_starts = check_starts(query_starts, "query_starts", queries.shape[0], sequences)
     if num_seqs is None:
         num_seqs = jnp.int32(sequences)
     else:
@@ -65,15 +63,6 @@ def _check(queries, key_pages, value_pages, kv_lengths, page_indices, query_star
             raise ValueError(f"num_seqs must be an int scalar, got shape {num_seqs.shape}")
         num_seqs = num_seqs.reshape(())
     return queries, key_pages, value_pages, kv_lengths, page_indices, query_starts, num_seqs, key_scale, value_scale
-
-
-def _window_left(local_window_size) -> int | None:
-    if local_window_size is None:
-        return None
-    left = local_window_size if isinstance(local_window_size, int) else local_window_size[0]
-    if not isinstance(left, int) or isinstance(left, bool) or left < 0:
-        raise ValueError(f"local_window_size must be w >= 0 or (left >= 0, right) (always causal), got {local_window_size!r}")
-    return left
 
 
 def ragged_paged_attention(queries, key_pages, value_pages, kv_lengths, page_indices, query_starts, num_seqs=None, *,
@@ -112,13 +101,11 @@ def ragged_paged_attention(queries, key_pages, value_pages, kv_lengths, page_ind
     args = _check(queries, key_pages, value_pages, kv_lengths, page_indices, query_starts, num_seqs, key_scale,
                   value_scale)  # fmt: skip
     queries = args[0]
-    left = _window_left(local_window_size)
-    if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap <= 1e30):
-        raise ValueError(f"softcap must be a number in (0, 1e30], got {softcap!r}")
+    # Causal: a window's right side is 0 whatever is given. Sides past every position are clipped.
+    left = _check_window(local_window_size, reach=queries.shape[0] + args[1].shape[1] * args[4].shape[1])[0]
+    softcap = check_softcap(softcap)
     sinks = _sinks.check(sinks, queries.shape[1])
-    scale = 1.0 / queries.shape[-1] ** 0.5 if scale is None else float(scale)
-    if not scale > 0:
-        raise ValueError(f"scale must be > 0, got {scale}")
+    scale = check_scale(scale, queries.shape[-1])
 
     def walk(*arrays):
         return _walk(*arrays, scale=scale, left=left, softcap=softcap)

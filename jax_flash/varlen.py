@@ -15,16 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash._validation import _as_array, as_clamped_int32
+from jax_flash._validation import _as_array, check_starts
 from jax_flash.attention import attention
-
-
-def _starts(starts, name: str, total: int) -> jax.Array:
-    """int32 [S + 1]: clamped into [0, total], the first 0, then nondecreasing (a running maximum)."""
-    starts = as_clamped_int32(starts, name, 0, total)
-    if starts.ndim != 1 or starts.shape[0] < 2:
-        raise ValueError(f"{name} must have shape [S + 1] with S >= 1 sequences, got {starts.shape}")
-    return jax.lax.cummax(starts.at[0].set(0))
 
 
 def _same_starts(query_starts, key_starts) -> bool:
@@ -92,8 +84,8 @@ def varlen_attention(query, key, value, query_starts, key_starts, *, scale=None,
     if query.ndim != 3 or key.ndim != 3:
         raise ValueError(f"query and key must have shapes [Tq, N, H] and [Tk, K, H], got {query.shape} and {key.shape}")
     same_packing = _same_starts(query_starts, key_starts)
-    q_starts = _starts(query_starts, "query_starts", query.shape[0])
-    k_starts = q_starts if same_packing else _starts(key_starts, "key_starts", key.shape[0])
+    q_starts = check_starts(query_starts, "query_starts", query.shape[0])
+    k_starts = q_starts if same_packing else check_starts(key_starts, "key_starts", key.shape[0])
     if k_starts.shape != q_starts.shape:
         raise ValueError(f"query_starts and key_starts must both have shape [S + 1], got {q_starts.shape} and "
                          f"{k_starts.shape}")  # fmt: skip

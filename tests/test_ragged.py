@@ -146,7 +146,7 @@ def test_the_walk_takes_chunks_of_pages(monkeypatch):
     (dict(query_starts=jnp.zeros((2,), jnp.int32)), ValueError, r"query_starts must have shape \[S \+ 1\] = \(3,\)"),
     (dict(page_indices=jnp.zeros((2,), jnp.int32)), ValueError, r"page_indices must have shape \[S, max_pages >= 1\]"),
     (dict(num_seqs=jnp.zeros((2,), jnp.int32)), ValueError, "num_seqs must be an int scalar"),
-    (dict(local_window_size=-1), ValueError, "local_window_size must be"),
+    (dict(local_window_size=-1), ValueError, "local_window_size values must be >= 0"),
     (dict(softcap=0.0), ValueError, "softcap must be"),
     (dict(implementation="tpu"), ValueError, "implementation must be"),
 ])  # fmt: skip
