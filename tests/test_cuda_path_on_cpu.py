@@ -11,7 +11,7 @@ import pytest
 from jaxlib import xla_client
 
 import jax_flash
-from jax_flash import _contract, _decode, _ffi, _plan, dense_impl
+from jax_flash import _contract, _decode, _ffi, _operands, _plan, dense_impl
 from tests import fake_kernels, reference
 from tests.cases import CASES, qkv, rng_for
 
@@ -210,8 +210,8 @@ def test_key_or_query_masks_reach_the_kernels_as_segment_ids(kernel_calls, mask_
         assert jnp.isfinite(mine).all() and reference.rel_error(mine, ref) < 2e-2
     as_segments = mask_shape[2] == 1 or mask_shape[3] == 1
     for target in ("jax_flash_fwd", "jax_flash_bwd"):
-        shapes = [shapes for name, shapes in kernel_calls if name == target][-1]
-        segments, mask_operand = shapes[-6:-4], shapes[-1]
+        shapes = dict(zip(_operands.TARGETS[target][0]._fields, [s for name, s in kernel_calls if name == target][-1]))
+        segments, mask_operand = [shapes["q_segments"], shapes["kv_segments"]], shapes["mask"]
         assert segments == ([(b, t), (b, s)] if as_segments else [(b, 0), (b, 0)]), target
         assert mask_operand == ((b, 0, 0, 0) if as_segments else mask_shape), target
 
