@@ -238,7 +238,7 @@ def fp8_decode_reason(call: Call, page_size: int | None = None) -> str | None:
         reason = paged_reason(call, page_size)
     else:
         reason = unsupported_reason(call)
-        beyond_key_lengths = any(x is not None for x in (call.bias, call.mask, call.query_seq_lengths, call.q_segment_ids))
+        beyond_key_lengths = _masks_beyond_key_lengths(call)
         if reason is None and not _plan.runs_decode(_plan.family(), call.query.shape, call.key.shape[2],
                                                     call.value.shape[-1], beyond_key_lengths):  # fmt: skip
             reason = (f"the decode kernels take at most {_decode.MAX_QUERIES} queries, key lengths as the only "
@@ -264,6 +264,12 @@ def fp8_decode(call: Call, key_scale, value_scale, sinks=None) -> tuple[jax.Arra
     return out, lse.transpose(0, 2, 1)
 
 
+def _masks_beyond_key_lengths(call: Call) -> bool:
+    """Whether the call masks anything but key lengths (a bias, a boolean mask, query lengths or
+    segment ids), which keeps it off the decode kernels."""
+    return any(x is not None for x in (call.bias, call.mask, call.query_seq_lengths, call.q_segment_ids))
+
+
 def _widest_head_dim(call: Call) -> int:
     """The kernels run query/key and value head dims that differ at the wider of the two, the
     other side zero-padded: zero columns of Q and K change no logit, zero columns of V give output
@@ -277,8 +283,7 @@ def forward_head_dims(call: Call) -> tuple[int, int]:
     dim, read the cache faster)."""
     family, widest = _plan.family(), _widest_head_dim(call)
     padded = kernel_head_dim(widest, FWD_HEAD_DIMS + WIDE_FWD_HEAD_DIMS)
-    masks = (call.bias, call.mask, call.query_seq_lengths, call.q_segment_ids)
-    beyond_key_lengths = any(x is not None for x in masks)
+    beyond_key_lengths = _masks_beyond_key_lengths(call)
     decode = _plan.runs_decode(family, call.query.shape[:3] + (padded,), call.key.shape[2], padded, beyond_key_lengths)
     own_pair = _no_bias_or_2d_mask(call) and not decode
     return _plan.forward_head_dims(family, call.query.shape[-1], call.value.shape[-1], own_pair)
