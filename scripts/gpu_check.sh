@@ -38,7 +38,9 @@
 #   kernels), LENGTHS=1 with lengths alone (the masked kernels without segments: d = 64's
 #   192-row tiles), SOFTCAP=c with that soft cap (the softcap kernels), BIAS=1 with a
 #   differentiated bias (the bias kernels; with MASKS=1 also a boolean mask); SANITIZE_TOOLS="memcheck"
-#   runs only that tool
+#   runs only that tool; SANITIZE_RUNS="--decode 2 3000 --kv-dtype fp8;--head-dim 64 --sinks ..."
+#   replaces the runs (`;` between the argument lists of scripts/profile_once.py; by default d =
+#   SANITIZE_HEAD_DIM (128), 1000 rows, causal and not)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
@@ -46,6 +48,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 step=${1:-all}
 PY=${PYTHON:-python3}
+# The checkout's package for scripts/ and examples/ too (a module from the carried wheel is unpacked in it).
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
   --format=csv > "$OUT/gpu.txt" 2>&1
@@ -148,13 +152,16 @@ if [[ $step == sanitize ]]; then
   # Without preallocation: under the sanitizer XLA's allocator otherwise probes ever smaller
   # arenas, and each failed cuMemCreate counts as an error of the run.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  shape="--head-dim ${SANITIZE_HEAD_DIM:-128} --seqlen 1000 --tokens 2000"
+  IFS=';' read -ra runs <<< "${SANITIZE_RUNS:-$shape;$shape --causal}"
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-    for causal in "" --causal; do
-      echo "== $tool ${causal:-non-causal}" | tee -a "$OUT/sanitize.log"
+    for run in "${runs[@]}"; do
+      echo "== $tool $run" | tee -a "$OUT/sanitize.log"
+      start=$(date +%s)
       compute-sanitizer --tool $tool ${SANITIZE_KERNEL:+--kernel-name "kns=$SANITIZE_KERNEL"} --error-exitcode 1 \
-        $PY scripts/profile_once.py --head-dim ${SANITIZE_HEAD_DIM:-128} --seqlen 1000 --tokens 2000 $causal \
-        ${MASKS:+--masks} ${LENGTHS:+--lengths} ${SOFTCAP:+--softcap $SOFTCAP} ${BIAS:+--bias} \
-        >> "$OUT/sanitize.log" 2>&1 && echo clean | tee -a "$OUT/sanitize.log" || echo "ERRORS (see sanitize.log)"
+        $PY scripts/profile_once.py $run ${MASKS:+--masks} ${LENGTHS:+--lengths} ${SOFTCAP:+--softcap $SOFTCAP} \
+        ${BIAS:+--bias} >> "$OUT/sanitize.log" 2>&1 && echo "clean ($(( $(date +%s) - start )) s)" | tee -a "$OUT/sanitize.log" \
+        || echo "ERRORS (see sanitize.log)"
     done
   done
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize.log"

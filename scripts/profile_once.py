@@ -31,6 +31,11 @@ parser.add_argument("--decode", type=int, nargs=2, metavar=("BATCH", "CACHE"), d
                     help="instead: one decode step, T = --queries queries of 32 heads over 8 kv heads against a "
                     "cache of CACHE tokens (the decode kernels)")
 parser.add_argument("--queries", type=int, default=1)
+parser.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="with --decode: the cache as stored (fp8: e4m3 with per-head scales, the fp8 kernels)")
+parser.add_argument("--page-size", type=int, default=None,
+                    help="with --decode: the cache as a pool of pages of this many tokens (paged_attention)")
+parser.add_argument("--sinks", action="store_true", help="a sink logit per query head (the sinks operand)")
 parser.add_argument("--forward-only", action="store_true", help="no backward (head dims without backward kernels)")
 parser.add_argument("--peer", choices=["fa3_jax", "cudnn"], default=None,
                     help="run a peer instead: FlashAttention-3's JAX binding (plain causal or not) or, with "
@@ -46,12 +51,28 @@ if args.decode:
     jax.block_until_ready(jnp.ones((64 * 2**20,), jnp.float32) * 2)
     q = jax.random.normal(keys[0], (batch, args.queries, 32, args.head_dim), jnp.bfloat16)
     lengths = jnp.full((batch,), cache)
+    heads = q.shape[2]
+    sinks = jax.random.normal(keys[0], (heads,), jnp.float32) if args.sinks else None
+    scales = {}
+    if args.kv_dtype == "fp8":
+        (k, key_scale), (v, value_scale) = jax_flash.quantize_kv(k), jax_flash.quantize_kv(v)
+        scales = dict(key_scale=key_scale, value_scale=value_scale)
     if args.peer == "cudnn":
         step = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
                                                                     implementation="cudnn"))
+    elif args.page_size:
+        # Sequence b owns pages b * per_seq ... in order, the pool holding exactly the batch's pages.
+        per_seq = -(-cache // args.page_size)
+        pad = per_seq * args.page_size - cache
+        k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(batch * per_seq, args.page_size,
+                                                                        *x.shape[2:]) for x in (k, v))
+        pages = jnp.arange(batch * per_seq, dtype=jnp.int32).reshape(batch, per_seq)
+        step = jax.jit(lambda q, k, v: jax_flash.paged_attention(q, k, v, lengths, pages, is_causal=True,
+                                                                 implementation="cuda", sinks=sinks, **scales))
     else:
         step = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation="cuda",
-                                                           key_value_seq_lengths=lengths))
+                                                           key_value_seq_lengths=lengths, sinks=sinks,
+                                                           **scales))
     jax.block_until_ready(step(q, k, v))
     raise SystemExit
 
@@ -67,6 +88,7 @@ if args.masks:
     masks.update(q_segment_ids=documents, kv_segment_ids=documents)
 
 
+sinks = jax.random.normal(jax.random.key(2), (dims[2],), jnp.float32) if args.sinks else None
 window = None if args.window is None else (args.window, 0 if args.causal else args.window)
 batch, seqlen, heads = dims[:3]
 bias_keys = jax.random.split(jax.random.key(1))
@@ -80,7 +102,7 @@ def attention(q, k, v, bias):
 
         return flash_mha(q, k, v, is_causal=args.causal)
     return jax_flash.attention(q, k, v, bias, mask, is_causal=args.causal, implementation="cuda",
-                               softcap=args.softcap, local_window_size=window, **masks)
+                               softcap=args.softcap, local_window_size=window, sinks=sinks, **masks)
 
 
 @jax.jit
