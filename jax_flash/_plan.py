@@ -74,18 +74,23 @@ def kernel_head_dim(head_dim: int, kernel_dims: tuple[int, ...] = _contract.FWD_
     return next((d for d in kernel_dims if d >= head_dim), None)
 
 
-def forward_head_dims(of: Family, head_dim: int, value_dim: int, own_pair_allowed: bool) -> tuple[int, int]:
-    """The (query/key, value) head dims of the forward kernel for these head dims, each side
-    zero-padded up to them: a pair with a kernel of its own (Hopper's, FWD_SM90_UNEQUAL_HEAD_DIMS)
-    where `own_pair_allowed` (no bias or 2-d mask, no decode call), else the widest's for both."""
+def forward_head_dims(of: Family, query_shape: tuple, kv_heads: int, value_dim: int, bias_or_2d_mask: bool,
+                      beyond_key_lengths: bool) -> tuple[int, int]:  # fmt: skip
+    """The (query/key, value) head dims of the forward kernel for a call of `query_shape` [B, T, N,
+    H] and `value_dim`, each side zero-padded up to them: a pair with a kernel of its own (Hopper's,
+    FWD_SM90_UNEQUAL_HEAD_DIMS) where V is narrower, there is no bias or 2-d mask and the call is
+    not one for the decode kernels (which, at the wider dim, read the cache faster); else the
+    widest's for both."""
+    head_dim = query_shape[-1]
     widest = max(head_dim, value_dim)
     if of is Family.TURING:
         padded = kernel_head_dim(widest, _contract.FWD_SM75_HEAD_DIMS)
         return padded, padded
     padded = kernel_head_dim(widest, _contract.FWD_HEAD_DIMS + _contract.FWD_SM90_WIDE_HEAD_DIMS)
-    if value_dim < head_dim and of is Family.HOPPER and own_pair_allowed:
+    if value_dim < head_dim and of is Family.HOPPER and not bias_or_2d_mask:
+        decode = runs_decode(of, tuple(query_shape[:3]) + (padded,), kv_heads, padded, beyond_key_lengths)
         pair = (kernel_head_dim(head_dim), kernel_head_dim(value_dim))
-        if pair in _contract.FWD_SM90_UNEQUAL_HEAD_DIMS:
+        if not decode and pair in _contract.FWD_SM90_UNEQUAL_HEAD_DIMS:
             return pair
     return padded, padded
 

@@ -278,15 +278,9 @@ def _widest_head_dim(call: Call) -> int:
 
 
 def forward_head_dims(call: Call) -> tuple[int, int]:
-    """The (query/key, value) head dims of the forward kernel that runs `call` (_plan's rule): a
-    pair of its own only without a bias or 2-d mask and off the decode kernels (which, at the wider
-    dim, read the cache faster)."""
-    family, widest = _plan.family(), _widest_head_dim(call)
-    padded = kernel_head_dim(widest, FWD_HEAD_DIMS + WIDE_FWD_HEAD_DIMS)
-    beyond_key_lengths = _masks_beyond_key_lengths(call)
-    decode = _plan.runs_decode(family, call.query.shape[:3] + (padded,), call.key.shape[2], padded, beyond_key_lengths)
-    own_pair = _no_bias_or_2d_mask(call) and not decode
-    return _plan.forward_head_dims(family, call.query.shape[-1], call.value.shape[-1], own_pair)
+    """The (query/key, value) head dims of the forward kernel that runs `call` (_plan's rule)."""
+    return _plan.forward_head_dims(_plan.family(), call.query.shape, call.key.shape[2], call.value.shape[-1],
+                                   not _no_bias_or_2d_mask(call), _masks_beyond_key_lengths(call))  # fmt: skip
 
 
 def _pad_head_dim(x, size: int):

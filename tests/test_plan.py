@@ -64,3 +64,21 @@ def test_an_unknown_family_is_refused_by_name(monkeypatch):
     monkeypatch.setenv(_plan.KERNELS_ENV, "hopper")
     with pytest.raises(ValueError, match="JAX_FLASH_KERNELS must be one of"):
         _plan.family()
+
+
+@pytest.mark.parametrize(
+    "family, query_shape, value_dim, bias_or_2d_mask, beyond_key_lengths, expected",
+    [
+        (Family.HOPPER, (2, 512, 8, 192), 128, False, False, (192, 128)),  # MLA's pair, its own kernel
+        (Family.HOPPER, (2, 512, 8, 192), 128, True, True, (192, 192)),  # a bias: the widest's for both
+        (Family.HOPPER, (2, 1, 8, 192), 128, False, False, (192, 192)),  # decode reads at the wider dim
+        (Family.HOPPER, (2, 1, 8, 192), 128, False, True, (192, 128)),  # query lengths: off the decode kernels
+        (Family.MMA_SYNC, (2, 512, 8, 192), 128, False, False, (192, 192)),  # the pair is Hopper's alone
+        (Family.HOPPER, (2, 512, 8, 80), 80, False, False, (96, 96)),
+        (Family.TURING, (2, 512, 8, 80), 48, False, False, (96, 96)),
+    ],
+)
+def test_forward_head_dims_are_decided_once_from_the_call(family, query_shape, value_dim, bias_or_2d_mask,
+                                                          beyond_key_lengths, expected):  # fmt: skip
+    got = _plan.forward_head_dims(family, query_shape, 2, value_dim, bias_or_2d_mask, beyond_key_lengths)
+    assert got == expected
