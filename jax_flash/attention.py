@@ -169,9 +169,7 @@ def _over_fp8(query, key, value, bias, sinks, key_scale, value_scale, options: d
     def over_converted(query, key, value, bias, sinks, key_scale, value_scale):
         if (call := fp8_decode_call(query, key, value, bias, options)) is not None:
             out, lse = cuda_impl.fp8_decode(call, key_scale, value_scale, _sinks.check(sinks, call.query.shape[2]))
-            if not call.batched:
-                out, lse = out[0], lse[0]
-            return (out, lse) if options["return_residual"] else out
+            return _result(call, out, lse, options["return_residual"])
         key, value = _fp8.dequantize_pair(key, value, key_scale, value_scale, query.dtype)
         return attention(query, key, value, bias, sinks=sinks, **options)
 
@@ -206,6 +204,11 @@ def attend(call: Call, implementation: str | None, return_residual: bool, sinks=
             out, lse = xla_path(call)
         if sinks is not None:
             out, lse = _sinks.apply(out, lse, sinks)
+    return _result(call, out, lse, return_residual)
+
+
+def _result(call: Call, out, lse, return_residual: bool):
+    """What `attention` returns: out, or (out, lse), without the batch axis where the call had none."""
     if not call.batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residual else out
