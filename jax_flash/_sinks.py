@@ -6,7 +6,8 @@ carries no value. With `lse` the log-sum-exp of a row's visible logits and `out`
 which is `softmax([logits, sink])` over `[V, 0]` exactly. The kernels join the sink in their
 softmax finish (cuda/common/row_total.cuh) and differentiate it themselves (cuda_impl's
 _sinks_gradient); the other paths compute `(out, lse)` first and the sink enters here once, after
-every merge of partial results (blocks, a ring's steps), its gradients through `out` and `lse`.
+every merge of partial results (blocks, a ring's steps) as one more (_lse_merge), its gradients
+through `out` and `lse`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_flash import _lse_merge
 from jax_flash._validation import _as_array
 
 
@@ -34,14 +36,6 @@ def apply(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> tuple[jax.Array, 
     [..., N] (float32 or float64); the sink is used as given (no scale, cap or bias), in `lse`'s
     dtype. A row that saw no key (lse -inf) gets output 0 and lse' = its sink; with a sink of -inf
     too, lse' stays -inf, never NaN."""
-    sink = sinks.astype(lse.dtype)
-    top = jnp.maximum(lse, sink)
-    seen = top > -jnp.inf
-    # Shifted by the larger of the two; a row where both are -inf takes 0 and a denominator of 1,
-    # so that neither the value nor a gradient becomes NaN there.
-    shift = jnp.where(seen, top, 0)
-    rows, sink_term = jnp.exp(lse - shift), jnp.exp(sink - shift)
-    denominator = jnp.where(seen, rows + sink_term, 1)
-    total = jnp.where(seen, shift + jnp.log(denominator), -jnp.inf)
-    weight = rows / denominator  # exp(lse - total)
-    return (out.astype(weight.dtype) * weight[..., None]).astype(out.dtype), total
+    sink = jnp.broadcast_to(sinks.astype(lse.dtype), lse.shape)
+    out_merged, total = _lse_merge.merge(out.astype(lse.dtype), lse, None, sink)
+    return out_merged.astype(out.dtype), total

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _sinks, _tangent, cuda_impl, xla_impl
+from jax_flash import _lse_merge, _sinks, _tangent, cuda_impl, xla_impl
 from jax_flash._validation import Call, validate
 from jax_flash.attention import uses_cuda
 
@@ -142,14 +142,6 @@ def _block_backward(static: _Static, q, k, v, causal: bool, out, lse, d_out, d_l
     return xla_impl.backward(call, out, lse, d_out, d_lse)[:3]
 
 
-def _merge(out, lse, block_out, block_lse):
-    """Two partial softmax results of the same rows as one, in the accumulation dtype of `out`."""
-    merged = jnp.logaddexp(lse, block_lse)
-    safe = jnp.where(jnp.isneginf(merged), 0.0, merged)  # rows that see nothing yet stay 0
-    w, w_block = jnp.exp(lse - safe), jnp.exp(block_lse - safe)
-    return out * w[..., None] + block_out.astype(out.dtype) * w_block[..., None], merged
-
-
 # ---- the ring ------------------------------------------------------------------------------
 
 
@@ -234,7 +226,7 @@ def _ring_forward(static: _Static, q, k, v):
         # The next slice is sent before this one is used, so the transfer overlaps the compute.
         arriving = _shift(static, k, v) if step + 1 < static.axis_size else None
         block_out, block_lse = _step_forward(static, q, k, v, step, rank)
-        out, lse = _merge(out, lse, block_out, block_lse.astype(acc_dtype))
+        out, lse = _lse_merge.merge(out, lse, block_out, block_lse.astype(acc_dtype))
         if arriving is not None:
             k, v = arriving
     return out.astype(q.dtype), lse
