@@ -11,6 +11,7 @@ where a bias's layout is not in pairs (an operand's layout, read there).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 
@@ -72,6 +73,36 @@ def kernel_head_dim(head_dim: int, kernel_dims: tuple[int, ...] = _contract.FWD_
     """The smallest head dim with kernels (forward ones by default) that fits `head_dim` (zero
     padding), or None."""
     return next((d for d in kernel_dims if d >= head_dim), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """What runs one call on the kernels, decided once when it is traced (`kernel_plan`): the
+    family; the forward kernel's (query/key, value) head dims, each side zero-padded up to them;
+    whether the split-KV decode kernels take it instead; the backward kernels' head dims (None: no
+    backward kernels, the xla path's backward) and whether they fit this GPU's shared memory."""
+
+    family: Family
+    forward_dims: tuple[int, int]
+    decode: bool
+    backward_dims: tuple[int, int] | None
+    backward_fits: bool
+
+
+def kernel_plan(of: Family, query_shape: tuple, kv_heads: int, value_dim: int, bias_or_2d_mask: bool,
+                beyond_key_lengths: bool) -> KernelPlan:  # fmt: skip
+    """The plan of a call of `query_shape` [B, T, N, H], `kv_heads` and `value_dim` that the kernels
+    take; `bias_or_2d_mask`: a bias, or a mask that varies along both queries and keys;
+    `beyond_key_lengths`: any mask but key lengths (the decode kernels take key lengths alone)."""
+    forward = forward_head_dims(of, query_shape, kv_heads, value_dim, bias_or_2d_mask, beyond_key_lengths)
+    decode = runs_decode(of, tuple(query_shape[:3]) + (forward[0],), kv_heads, forward[1], beyond_key_lengths)
+    return KernelPlan(of, forward, decode, *backward_plan(of, *forward, bias_or_2d_mask))
+
+
+def backward_plan(of: Family, head_dim: int, value_dim: int, bias_or_mask: bool) -> tuple[tuple[int, int] | None, bool]:
+    """(the backward kernels' head dims or None, whether they fit) for a forward kernel's head dims."""
+    dims = backward_head_dims(of, head_dim, value_dim, bias_or_mask)
+    return dims, dims is not None and backward_kernels_fit(of, dims[0])
 
 
 def forward_head_dims(of: Family, query_shape: tuple, kv_heads: int, value_dim: int, bias_or_2d_mask: bool,

@@ -277,10 +277,10 @@ def _widest_head_dim(call: Call) -> int:
     return max(call.query.shape[-1], call.value.shape[-1])
 
 
-def forward_head_dims(call: Call) -> tuple[int, int]:
-    """The (query/key, value) head dims of the forward kernel that runs `call` (_plan's rule)."""
-    return _plan.forward_head_dims(_plan.family(), call.query.shape, call.key.shape[2], call.value.shape[-1],
-                                   not _no_bias_or_2d_mask(call), _masks_beyond_key_lengths(call))  # fmt: skip
+def plan_of(call: Call) -> _plan.KernelPlan:
+    """The kernel plan of a call that `unsupported_reason` accepts (_plan's rules)."""
+    return _plan.kernel_plan(_plan.family(), call.query.shape, call.key.shape[2], call.value.shape[-1],
+                             not _no_bias_or_2d_mask(call), _masks_beyond_key_lengths(call))  # fmt: skip
 
 
 def _pad_head_dim(x, size: int):
@@ -339,13 +339,14 @@ def attention(call: Call, strict: bool = False, sinks=None) -> tuple[jax.Array, 
     None) in every row's softmax. Its gradient comes from the backward kernels, or where this GPU's
     shared memory is too small for them (`_plan.backward_kernels_fit`) from the xla path's
     backward; `strict` (implementation="cuda") raises a ValueError there instead."""
-    head_dim, value_dim = forward_head_dims(call)
+    plan = plan_of(call)
+    head_dim, value_dim = plan.forward_dims
     call = mask_as_segments(call)
     q, k = _pad_head_dim(call.query, head_dim), _pad_head_dim(call.key, head_dim)
     v = _pad_head_dim(call.value, value_dim)
     bias, mask = _bias_arrays(call)
     sinks = _ffi.sinks_operand(sinks, q.shape[0])
-    out, lse = _flash(call.config, strict, q, k, v, bias, mask, *_mask_arrays(call), sinks)
+    out, lse = _flash(call.config, strict, plan, q, k, v, bias, mask, *_mask_arrays(call), sinks)
     return out[..., : call.value.shape[-1]], lse.transpose(0, 2, 1)
 
 
@@ -354,13 +355,15 @@ def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, 
     need not be this call's own: ring attention passes the final ones of the whole sequence."""
     if kernel_head_dim(_widest_head_dim(call), BWD_HEAD_DIMS) is None:  # above 256: no backward kernels
         return _xla_backward(call, out, lse, d_out, d_lse)[:3]
-    call = mask_as_segments(call)
-    turing = _plan.family() is Family.TURING
-    padded = kernel_head_dim(_widest_head_dim(call), TURING_HEAD_DIMS if turing else FWD_HEAD_DIMS)
+    call, family = mask_as_segments(call), _plan.family()
+    padded = kernel_head_dim(_widest_head_dim(call), TURING_HEAD_DIMS if family is Family.TURING else FWD_HEAD_DIMS)
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))
     masks = _mask_arrays(call)
-    dq, dk, dv, *_ = _gradients(call.config, False, q, k, v, *_bias_arrays(call), False, out, lse.transpose(0, 2, 1),
-                               masks, _kernel_masks(q, k, *masks), d_out, d_lse.transpose(0, 2, 1))  # fmt: skip
+    backward = _plan.backward_plan(family, padded, padded, not _no_bias_or_2d_mask(call))
+    plan = _plan.KernelPlan(family, (padded, padded), False, *backward)
+    dq, dk, dv, *_ = _gradients(call.config, False, plan, q, k, v, *_bias_arrays(call), False, out,
+                               lse.transpose(0, 2, 1), masks, _kernel_masks(q, k, *masks), d_out,
+                               d_lse.transpose(0, 2, 1))  # fmt: skip
     head_dim, value_dim = call.query.shape[-1], call.value.shape[-1]
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_dim]
 
@@ -370,45 +373,43 @@ def _xla_backward(call: Call, out, lse, d_out, d_lse):
     return xla_impl.backward(call, out, lse, d_out, d_lse, *dense_impl.backward_blocks(call))
 
 
-def _forward(config: AttentionConfig, q, k, v, bias, mask, masks, sinks):
-    """(out, lse [B, N, T], the kernels' mask operands), from the decode kernels where they take
-    the call (_decode.py), else the forward kernels; sinks [B, N] or [B, 0]."""
+def _forward(config: AttentionConfig, plan: _plan.KernelPlan, q, k, v, bias, mask, masks, sinks):
+    """(out, lse [B, N, T], the kernels' mask operands), from the decode kernels where the plan
+    says so (_decode.py), else the forward kernels; sinks [B, N] or [B, 0]."""
     kernel = _kernel_masks(q, k, *masks)
-    b = q.shape[0]
-    q_len, kv_len, q_seg, _ = masks
-    beyond_key_lengths = bias.size > 0 or mask.size > 0 or q_len is not None or q_seg is not None
-    family = _plan.family()
-    if _plan.runs_decode(family, q.shape, k.shape[2], v.shape[-1], beyond_key_lengths):
+    if plan.decode:
+        b, kv_len = q.shape[0], masks[1]
         kv_lengths = jnp.zeros((b, 0), jnp.int32) if kv_len is None else kv_len.astype(jnp.int32)[:, None]
         no_pages = jnp.zeros((b, 0), jnp.int32)
         return *_ffi.decode(config, q, k, v, kv_lengths, no_pages, sinks=sinks), kernel
-    return *_ffi.forward(config, family, q, k, v, kernel, bias, mask, sinks), kernel
+    return *_ffi.forward(config, plan.family, q, k, v, kernel, bias, mask, sinks), kernel
 
 
 SINKS = 9  # of _flash's arrays
 DIFFERENTIABLE = (0, 1, 2, 3, SINKS)  # q, k, v, the bias and the sinks
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _flash(config: AttentionConfig, strict: bool, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sinks):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _flash(config: AttentionConfig, strict: bool, plan: _plan.KernelPlan, q, k, v, bias, mask, q_len, kv_len, q_seg,
+           kv_seg, sinks):  # fmt: skip
     """(out, lse [B, N, T]: the kernels' layout, which the backward kernels read); sinks float32
     [B, N] (in the lse: the backward needs nothing more) or [B, 0]."""
-    out, lse, _ = _forward(config, q, k, v, bias, mask, (q_len, kv_len, q_seg, kv_seg), sinks)
+    out, lse, _ = _forward(config, plan, q, k, v, bias, mask, (q_len, kv_len, q_seg, kv_seg), sinks)
     return out, lse
 
 
 @_flash.defjvp
-def _flash_jvp(config: AttentionConfig, strict: bool, primals, tangents):
+def _flash_jvp(config: AttentionConfig, strict: bool, plan: _plan.KernelPlan, primals, tangents):
     # Reverse mode transposes the tangent into the backward kernels (_transpose); forward mode
     # evaluates it by the xla path's formula (_tangent_by_xla).
-    out, lse = _flash(config, strict, *primals)
+    out, lse = _flash(config, strict, plan, *primals)
     layout = _tangent.layout_of(primals, DIFFERENTIABLE)
-    d_out, d_lse = _TANGENT((config, strict), layout, primals, out, lse, [tangents[i] for i in layout.differentiable])
+    d_out, d_lse = _TANGENT((config, strict, plan), layout, primals, out, lse, [tangents[i] for i in layout.differentiable])
     return (out, lse), (d_out, d_lse)
 
 
 def _tangent_by_xla(static, primals, out, lse, tangents, all_key_blocks=False):
-    config, strict = static
+    config, strict, _ = static
     if strict:
         raise ValueError(
             "implementation='cuda' has no forward-mode kernels (jax.jvp, jax.jacfwd, jax.linearize): "
@@ -435,9 +436,9 @@ def _sink_weights(sinks, lse):
 
 
 def _transpose(static, primals, out, lse, d_out, d_lse, needed):
-    config, strict = static
+    config, strict, plan = static
     q, k, v, bias, mask, *masks, sinks = primals
-    *grads, dbias, delta = _gradients(config, strict, q, k, v, bias, mask, needed[3], out, lse, masks,
+    *grads, dbias, delta = _gradients(config, strict, plan, q, k, v, bias, mask, needed[3], out, lse, masks,
                                       _kernel_masks(q, k, *masks), d_out, d_lse)  # fmt: skip
     return (*grads, dbias, _sinks_gradient(sinks, out, lse, d_out, d_lse, delta) if needed[4] else None)
 
@@ -457,8 +458,8 @@ def _sinks_gradient(sinks, out, lse, d_out, d_lse, delta):
     return -(_sink_weights(sinks, lse) * delta).sum(-1)
 
 
-def _gradients(config: AttentionConfig, strict: bool, q, k, v, bias, mask, want_dbias: bool, out, lse, masks, kernel,
-               d_out, d_lse):  # fmt: skip
+def _gradients(config: AttentionConfig, strict: bool, plan: _plan.KernelPlan, q, k, v, bias, mask, want_dbias: bool,
+               out, lse, masks, kernel, d_out, d_lse):  # fmt: skip
     """(dq, dk, dv, dbias or None, delta or None) from the backward kernels (lse and d_lse
     [B, N, T]; delta [B, N, T] their rowsum(dO * O) - d_lse, None where the xla path's backward
     ran); a cotangent of None is zero: an lse the loss does not use (the usual case) passes an
@@ -469,10 +470,8 @@ def _gradients(config: AttentionConfig, strict: bool, q, k, v, bias, mask, want_
     # no logit and get zero gradients. A narrower V (from its own forward kernel: 192 / 128) has a
     # backward of its own too, or is padded to the query head dim's kernels.
     head_dim, dims = q.shape[-1], (q.shape[-1], k.shape[-1], v.shape[-1])
-    family = _plan.family()
-    kernel_dims = _plan.backward_head_dims(family, head_dim, v.shape[-1], bias_or_mask=bool(bias.size or mask.size))
-    padded, padded_value = kernel_dims or (None, None)
-    if padded is None or not _plan.backward_kernels_fit(family, padded):
+    padded, padded_value = plan.backward_dims or (None, None)
+    if not plan.backward_fits:
         if strict and padded is None:
             raise ValueError(
                 f"implementation='cuda' cannot differentiate this call: no backward kernels above head dim "
@@ -489,7 +488,7 @@ def _gradients(config: AttentionConfig, strict: bool, q, k, v, bias, mask, want_
     d_lse = jnp.zeros((b, n, 0), jnp.float32) if d_lse is None else d_lse
     q, k = (_pad_head_dim(x, padded) for x in (q, k))
     v, out, d_out = (_pad_head_dim(x, padded_value) for x in (v, out, d_out))
-    *grads, dbias, delta = _ffi.backward(config, family, q, k, v, out, lse, d_out, d_lse, kernel, bias, mask,
+    *grads, dbias, delta = _ffi.backward(config, plan.family, q, k, v, out, lse, d_out, d_lse, kernel, bias, mask,
                                          want_dbias)  # fmt: skip
     dbias = dbias.astype(bias.dtype) if want_dbias else None
     return tuple(g[..., :dim] for g, dim in zip(grads, dims, strict=True)) + (dbias, delta)

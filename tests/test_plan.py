@@ -82,3 +82,22 @@ def test_forward_head_dims_are_decided_once_from_the_call(family, query_shape, v
                                                           beyond_key_lengths, expected):  # fmt: skip
     got = _plan.forward_head_dims(family, query_shape, 2, value_dim, bias_or_2d_mask, beyond_key_lengths)
     assert got == expected
+
+
+@pytest.mark.parametrize(
+    "query_shape, value_dim, bias_or_2d_mask, beyond_key_lengths, expected",
+    [
+        # A decode step: the split-KV kernels forward, the 128 backward kernels for its gradient.
+        ((2, 1, 32, 128), 128, False, False, _plan.KernelPlan(Family.HOPPER, (128, 128), True, (128, 128), True)),
+        # Query lengths keep it on the forward kernels.
+        ((2, 1, 32, 128), 128, False, True, _plan.KernelPlan(Family.HOPPER, (128, 128), False, (128, 128), True)),
+        # MLA's pair forward and backward; with a bias, 192 forward and the 256 backward padded.
+        ((2, 512, 8, 192), 128, False, False, _plan.KernelPlan(Family.HOPPER, (192, 128), False, (192, 128), True)),
+        ((2, 512, 8, 192), 128, True, True, _plan.KernelPlan(Family.HOPPER, (192, 192), False, (256, 256), True)),
+        # Above 256: the forward alone.
+        ((2, 512, 8, 512), 512, False, False, _plan.KernelPlan(Family.HOPPER, (512, 512), False, None, False)),
+    ],
+)
+def test_one_plan_a_call(query_shape, value_dim, bias_or_2d_mask, beyond_key_lengths, expected):
+    got = _plan.kernel_plan(Family.HOPPER, query_shape, 8, value_dim, bias_or_2d_mask, beyond_key_lengths)
+    assert got == expected
