@@ -51,8 +51,7 @@ if args.decode:
     jax.block_until_ready(jnp.ones((64 * 2**20,), jnp.float32) * 2)
     q = jax.random.normal(keys[0], (batch, args.queries, 32, args.head_dim), jnp.bfloat16)
     lengths = jnp.full((batch,), cache)
-    heads = q.shape[2]
-    sinks = jax.random.normal(keys[0], (heads,), jnp.float32) if args.sinks else None
+    sinks = jax.random.normal(jax.random.key(2), (q.shape[2],), jnp.float32) if args.sinks else None
     scales = {}
     if args.kv_dtype == "fp8":
         (k, key_scale), (v, value_scale) = jax_flash.quantize_kv(k), jax_flash.quantize_kv(v)
