@@ -25,3 +25,12 @@ MAX_DECODE_SPLITS = 128  # splits of a decode tile's keys, at most
 DQ_COUNTER_ROWS = 32  # query rows per dQ turn or ticket counter: at most the smallest query block
 
 MASK_CHUNK_FIELDS = ('segment_min', 'segment_max', 'other_begin', 'other_end', 'one_begin', 'one_end')
+
+# The launchers' tile shapes that depend on the call (contract.h's Tiles): name -> value.
+TILES = {
+    'USUAL': 0,  # the kernel's usual tiles for its head dim and variant
+    'TALL': 1,  # Hopper forward, head dim 64: 192-query tiles
+    'WIDE_KEYS': 2,  # Hopper forward, head dims 128 and 256: wider key blocks
+    'STEPS_OF_80': 3,  # Hopper backward, head dim 128: 80-query steps
+    'COMPACT': 4,  # mma.sync backward: the compact tiles, for GPUs whose shared memory the usual ones exceed
+}

@@ -234,13 +234,13 @@ def _sinks_layout(sinks) -> str:
     return "bn" if sinks.shape[1] else "b-"  # empty: no head axis to split
 
 
-def forward(config, family: int, q, k, v, masks: KernelMasks, bias, mask, sinks):
+def forward(config, plan, q, k, v, masks: KernelMasks, bias, mask, sinks):
     """(out [B, T, N, Hv], lse [B, N, T] float32) from the forward kernel (Hv: v's head dim), given
     the operands of `bias_operand`, `mask_operand` and `sinks_operand` (its sinks in the lse and
     the output); under vmap, one call with the mapped axis folded into the batch or the heads
     (_batching.py)."""
     register_targets()
-    attrs = dict(_window_attrs(config), family=np.int32(family))
+    attrs = dict(_window_attrs(config), family=np.int32(plan.family), tiles=np.int32(plan.forward_tiles))
 
     def run(q, k, v, bias, mask, sinks, *masks):
         def kernel(q, k, v, bias, mask, sinks, *masks):
@@ -310,14 +310,15 @@ def decode(config, q, k, v, kv_lengths, page_table, key_scale=None, value_scale=
     return _partition.vary_like(folded(q, k, v, kv_lengths, page_table, *scales, sinks_operand(sinks, b)), q, k, v)
 
 
-def backward(config, family: int, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, mask, want_dbias: bool):
+def backward(config, plan, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, mask, want_dbias: bool):
     """(dq, dk, dv, dbias, delta) from the backward kernels; lse and d_lse are [B, N, T] float32
     (d_lse may be [B, N, 0]: zero, the lse unused); bias and mask as `forward` takes them. dbias
     (with `want_dbias`) is float32 in the bias's shape, summed over its broadcast axes; else an
     empty array. delta [B, N, T] float32: rowsum(dO * O) - d_lse, the kernels' own (what d sinks
     is formed from). Under vmap, one call with the mapped axis folded into the batch."""
     register_targets()
-    attrs = dict(_window_attrs(config), family=np.int32(family), deterministic=np.int32(deterministic()),
+    attrs = dict(_window_attrs(config), family=np.int32(plan.family), tiles=np.int32(plan.backward_tiles),
+                 deterministic=np.int32(deterministic()),
                  smem_limit=np.int32(forced_smem_limit()))
 
     def run(q, k, v, out, lse, d_out, d_lse, bias, mask, *masks):

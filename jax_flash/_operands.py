@@ -83,6 +83,7 @@ TARGETS = {
             "window_right",
             "diagonal_by_lengths",
             "family",
+            "tiles",
         ),
     ),
     "jax_flash_bwd": (
@@ -95,6 +96,7 @@ TARGETS = {
             "window_right",
             "diagonal_by_lengths",
             "family",
+            "tiles",
             "deterministic",
             "smem_limit",
         ),

@@ -1,12 +1,17 @@
-"""Which kernels run a call: the one place for the rules of kernel families and kernel head dims.
+"""Which kernels run a call: the one place for the rules of kernel families, kernel head dims and
+the tiles that depend on the call.
 
 The Python layer decides once per call: the family (`family()`), the head dims the forward and
-backward kernels run at (zero padding up to them), and whether the split-KV decode kernels take
-the call. The family travels to the handlers as the custom calls' `family` attribute
-(`Family`'s values, dispatch.h's `KernelFamily`), and cuda/launch/dispatch.cu launches that
-family's kernel for the head dims it is given, or fails naming the plan it cannot run; within the
-Hopper family it runs the mma.sync kernels where Hopper has none (head dims 32 and 96, decode) or
-where a bias's layout is not in pairs (an operand's layout, read there).
+backward kernels run at (zero padding up to them), whether the split-KV decode kernels take the
+call, and the tiles of the forward and backward kernels (`forward_tiles`, `backward_tiles`). The
+family and tiles travel to the handlers as the custom calls' `family` and `tiles` attributes
+(`Family`'s and `Tiles`' values: dispatch.h's `KernelFamily`, contract.h's `Tiles`), and
+cuda/launch/dispatch.cu launches that family's kernel with those tiles for the head dims it is
+given, or fails naming the plan it cannot run. Two choices stay with the launchers, as they read
+what a plan cannot see (operand strides and pointer alignment): within the Hopper family a bias
+or mask whose layout is not in pairs runs the mma.sync kernels, and the Hopper kernels stage a
+bias by TMA where its rows copy as whole aligned rows. The decode launcher's residency (one CTA
+an SM, from the grid and the GPU's SM count) is its own too.
 """
 
 from __future__ import annotations
@@ -75,28 +80,61 @@ def kernel_head_dim(head_dim: int, kernel_dims: tuple[int, ...] = _contract.FWD_
     return next((d for d in kernel_dims if d >= head_dim), None)
 
 
+# The launchers' tile shapes that depend on the call (contract.h's Tiles, from the generator's table).
+Tiles = enum.IntEnum("Tiles", _contract.TILES)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileTraits:
+    """What the tile rules read of a call, once a padding mask runs as segment ids: the kernels'
+    variant (a bias or mask, else a soft cap, else lengths or segment ids), the window (None:
+    unbounded on that side; causal is window_right = 0) and deterministic mode."""
+
+    bias_or_mask: bool = False
+    softcap: bool = False
+    lengths: bool = False
+    segments: bool = False
+    window_left: int | None = None
+    window_right: int | None = None
+    deterministic: bool = False
+
+    @property
+    def plain(self) -> bool:
+        return not (self.bias_or_mask or self.softcap or self.lengths or self.segments)
+
+    @property
+    def banded(self) -> bool:
+        return self.window_left is not None or self.window_right is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
     """What runs one call on the kernels, decided once when it is traced (`kernel_plan`): the
     family; the forward kernel's (query/key, value) head dims, each side zero-padded up to them;
     whether the split-KV decode kernels take it instead; the backward kernels' head dims (None: no
-    backward kernels, the xla path's backward) and whether they fit this GPU's shared memory."""
+    backward kernels, the xla path's backward) and whether they fit this GPU's shared memory; the
+    forward and backward kernels' tiles."""
 
     family: Family
     forward_dims: tuple[int, int]
     decode: bool
     backward_dims: tuple[int, int] | None
     backward_fits: bool
+    forward_tiles: Tiles = Tiles.USUAL
+    backward_tiles: Tiles = Tiles.USUAL
 
 
 def kernel_plan(of: Family, query_shape: tuple, kv_heads: int, value_dim: int, bias_or_2d_mask: bool,
-                beyond_key_lengths: bool) -> KernelPlan:  # fmt: skip
+                beyond_key_lengths: bool, traits: TileTraits) -> KernelPlan:  # fmt: skip
     """The plan of a call of `query_shape` [B, T, N, H], `kv_heads` and `value_dim` that the kernels
     take; `bias_or_2d_mask`: a bias, or a mask that varies along both queries and keys;
-    `beyond_key_lengths`: any mask but key lengths (the decode kernels take key lengths alone)."""
+    `beyond_key_lengths`: any mask but key lengths (the decode kernels take key lengths alone);
+    `traits`: what the tile rules read."""
     forward = forward_head_dims(of, query_shape, kv_heads, value_dim, bias_or_2d_mask, beyond_key_lengths)
     decode = runs_decode(of, tuple(query_shape[:3]) + (forward[0],), kv_heads, forward[1], beyond_key_lengths)
-    return KernelPlan(of, forward, decode, *backward_plan(of, *forward, bias_or_2d_mask))
+    backward = backward_plan(of, *forward, bias_or_2d_mask)
+    tiles = Tiles.USUAL if decode else forward_tiles(of, forward, query_shape[1], traits)
+    return KernelPlan(of, forward, decode, *backward, tiles, backward_tiles(of, backward[0], traits))
 
 
 def backward_plan(of: Family, head_dim: int, value_dim: int, bias_or_mask: bool) -> tuple[tuple[int, int] | None, bool]:
@@ -159,11 +197,56 @@ def runs_decode(of: Family, query_shape: tuple, kv_heads: int, value_dim: int, b
 def backward_kernels_fit(of: Family, head_dim: int) -> bool:
     """Whether the backward kernels of a (kernel) head dim fit the default GPU's shared memory:
     Hopper's own always (227 KB a block); the mma.sync ones where their smallest tiles' bytes a
-    block (the compact ones, cuda/sm80/config.cuh) are within `_ffi.smem_limit()` (their launcher
-    takes the largest tiles that fit); the Turing ones likewise."""
+    block (the compact ones, cuda/sm80/config.cuh) are within `_ffi.smem_limit()` (`backward_tiles`
+    takes the usual ones where those fit); the Turing ones likewise."""
     if of is Family.TURING:
         return _ffi.extension().sm75_backward_smem_bytes(head_dim) <= _ffi.smem_limit()
     hopper_dims = _contract.BWD_SM90_HEAD_DIMS + _contract.BWD_SM90_NO_BIAS_HEAD_DIMS
     if of is Family.HOPPER and head_dim in hopper_dims:
         return True
     return _ffi.extension().sm80_backward_smem_bytes(head_dim) <= _ffi.smem_limit()
+
+
+def forward_tiles(of: Family, dims: tuple[int, int], seqlen_q: int, traits: TileTraits) -> Tiles:
+    """The forward kernel's tiles: USUAL but for the Hopper kernels at equal head dims of
+    FWD_SM90_HEAD_DIMS (docs/perf/log.md's steps in brackets):
+    - 64, plain or with lengths: TALL (192 query rows) without a band [H5], and for causal rows
+      from 8k on [H12]; not for a window (128-row tiles waste less on the diagonal), segment ids
+      (whose documents' edges 192-row tiles straddle) [H24], or the soft cap (its tanh made the
+      consumers spill);
+    - 128 and 256 without a bias or mask: WIDE_KEYS [H9-H11]; at 128 not with a window bounded on
+      the left or segment ids, which waste more of 176 keys at their edges [H11] (256's blocks are
+      80 keys against 64 and lose nothing). A bias keeps the narrow blocks: with the wide ones its
+      loads' registers spilled."""
+    head_dim, value_dim = dims
+    if of is not Family.HOPPER or head_dim != value_dim or head_dim not in _contract.FWD_SM90_HEAD_DIMS:
+        return Tiles.USUAL
+    if head_dim == 64 and not (traits.bias_or_mask or traits.softcap or traits.segments):
+        long_causal = traits.window_left is None and seqlen_q >= 8192
+        if not traits.banded or long_causal:
+            return Tiles.TALL
+    if head_dim in (128, 256) and not traits.bias_or_mask:
+        edges = traits.window_left is not None or traits.segments
+        if head_dim == 256 or not edges:
+            return Tiles.WIDE_KEYS
+    return Tiles.USUAL
+
+
+def backward_tiles(of: Family, dims: tuple[int, int] | None, traits: TileTraits) -> Tiles:
+    """The backward kernels' tiles: on the Hopper kernels at head dim 128, STEPS_OF_80 (80-query
+    steps, FlashAttention-3's non-causal tile) for a plain call without a band or deterministic
+    mode (whose turns count 64-row blocks); on the mma.sync kernels COMPACT where their usual tiles
+    exceed the shared memory a block may take (`_ffi.smem_limit()`: sm_86, sm_89 and sm_12x allow
+    99 KB); else USUAL. (A Hopper call whose bias layout sends it to the mma.sync kernels keeps
+    USUAL, which fits Hopper's 227 KB.)"""
+    if dims is None or of is Family.TURING:
+        return Tiles.USUAL
+    head_dim, value_dim = dims
+    hopper_dims = _contract.BWD_SM90_HEAD_DIMS + _contract.BWD_SM90_NO_BIAS_HEAD_DIMS
+    if of is Family.HOPPER and (head_dim in hopper_dims or head_dim != value_dim):
+        if head_dim == value_dim == 128 and traits.plain and not traits.banded and not traits.deterministic:
+            return Tiles.STEPS_OF_80
+        return Tiles.USUAL
+    if _ffi.extension().sm80_backward_usual_smem_bytes(head_dim) > _ffi.smem_limit():
+        return Tiles.COMPACT
+    return Tiles.USUAL

@@ -280,7 +280,21 @@ def _widest_head_dim(call: Call) -> int:
 def plan_of(call: Call) -> _plan.KernelPlan:
     """The kernel plan of a call that `unsupported_reason` accepts (_plan's rules)."""
     return _plan.kernel_plan(_plan.family(), call.query.shape, call.key.shape[2], call.value.shape[-1],
-                             not _no_bias_or_2d_mask(call), _masks_beyond_key_lengths(call))  # fmt: skip
+                             not _no_bias_or_2d_mask(call), _masks_beyond_key_lengths(call),
+                             tile_traits(call))  # fmt: skip
+
+
+def tile_traits(call: Call) -> _plan.TileTraits:
+    """What the tile rules read of a call: its operands as the kernels get them (a padding mask as
+    segment ids, mask_as_segments), its window and deterministic mode."""
+    config = call.config
+    segments = call.q_segment_ids is not None or mask_runs_as_segments(call)
+    return _plan.TileTraits(
+        bias_or_mask=call.bias is not None or (call.mask is not None and not mask_runs_as_segments(call)),
+        softcap=bool(config.softcap),
+        lengths=call.query_seq_lengths is not None or call.key_value_seq_lengths is not None,
+        segments=segments, window_left=config.window_left, window_right=config.window_right,
+        deterministic=_ffi.deterministic())  # fmt: skip
 
 
 def _pad_head_dim(x, size: int):
@@ -360,7 +374,8 @@ def backward(call: Call, out, lse, d_out, d_lse) -> tuple[jax.Array, jax.Array, 
     q, k, v, out, d_out = (_pad_head_dim(x, padded) for x in (call.query, call.key, call.value, out, d_out))
     masks = _mask_arrays(call)
     backward = _plan.backward_plan(family, padded, padded, not _no_bias_or_2d_mask(call))
-    plan = _plan.KernelPlan(family, (padded, padded), False, *backward)
+    tiles = _plan.backward_tiles(family, backward[0], tile_traits(call))
+    plan = _plan.KernelPlan(family, (padded, padded), False, *backward, backward_tiles=tiles)
     dq, dk, dv, *_ = _gradients(call.config, False, plan, q, k, v, *_bias_arrays(call), False, out,
                                lse.transpose(0, 2, 1), masks, _kernel_masks(q, k, *masks), d_out,
                                d_lse.transpose(0, 2, 1))  # fmt: skip
@@ -382,7 +397,7 @@ def _forward(config: AttentionConfig, plan: _plan.KernelPlan, q, k, v, bias, mas
         kv_lengths = jnp.zeros((b, 0), jnp.int32) if kv_len is None else kv_len.astype(jnp.int32)[:, None]
         no_pages = jnp.zeros((b, 0), jnp.int32)
         return *_ffi.decode(config, q, k, v, kv_lengths, no_pages, sinks=sinks), kernel
-    return *_ffi.forward(config, plan.family, q, k, v, kernel, bias, mask, sinks), kernel
+    return *_ffi.forward(config, plan, q, k, v, kernel, bias, mask, sinks), kernel
 
 
 SINKS = 9  # of _flash's arrays
@@ -488,7 +503,7 @@ def _gradients(config: AttentionConfig, strict: bool, plan: _plan.KernelPlan, q,
     d_lse = jnp.zeros((b, n, 0), jnp.float32) if d_lse is None else d_lse
     q, k = (_pad_head_dim(x, padded) for x in (q, k))
     v, out, d_out = (_pad_head_dim(x, padded_value) for x in (v, out, d_out))
-    *grads, dbias, delta = _ffi.backward(config, plan.family, q, k, v, out, lse, d_out, d_lse, kernel, bias, mask,
+    *grads, dbias, delta = _ffi.backward(config, plan, q, k, v, out, lse, d_out, d_lse, kernel, bias, mask,
                                          want_dbias)  # fmt: skip
     dbias = dbias.astype(bias.dtype) if want_dbias else None
     return tuple(g[..., :dim] for g, dim in zip(grads, dims, strict=True)) + (dbias, delta)

@@ -26,6 +26,8 @@ _WINDOW_ATTRS = [
     ("window_right", "i32", ""),
     ("diagonal_by_lengths", "i32", "1: FwdParams::diagonal_by_lengths"),
 ]
+_FAMILY = ("family", "i32", "KernelFamily: the plan's, jax_flash/_plan.py")
+_TILES = ("tiles", "i32", "contract::Tiles: the plan's, jax_flash/_plan.py")
 
 # call -> {"args": [(name, kind, meaning)], "results": [...], "attrs": [(name, type, meaning)]}
 CUSTOM_CALLS = {
@@ -34,7 +36,7 @@ CUSTOM_CALLS = {
                  *_MASKS, _SINKS],
         "results": [("o", "any", "[B, T, N, Hv]"), ("lse", "f32", "[B, N, T]"),
                     ("tile_scratch", "s32", "[FwdScratch::size_for(B, T, N)]")],
-        "attrs": [*_WINDOW_ATTRS, ("family", "i32", "KernelFamily: the plan's, jax_flash/_plan.py")],
+        "attrs": [*_WINDOW_ATTRS, _FAMILY, _TILES],
     },
     "bwd": {
         "args": [("q", "any", ""), ("k", "any", ""), ("v", "any", ""), ("o", "any", ""),
@@ -45,7 +47,7 @@ CUSTOM_CALLS = {
                     ("lse_log2", "f32", "scratch [B, N, T padded]"),
                     ("dq_turns", "s32", "scratch [B, N, T padded / kDqCounterRows]"),
                     ("dbias", "f32", "shaped like the bias, or empty")],
-        "attrs": [*_WINDOW_ATTRS, ("family", "i32", "KernelFamily: the plan's, jax_flash/_plan.py"),
+        "attrs": [*_WINDOW_ATTRS, _FAMILY, _TILES,
                   ("deterministic", "i32", "1: dQ parts added in a fixed order"),
                   ("smem_limit", "i32", "bytes a block may take (0: the GPU's)")],
     },

@@ -56,6 +56,18 @@ CONSTANTS = {
     "MAX_DECODE_SPLITS": (128, "splits of a decode tile's keys, at most"),
     "DQ_COUNTER_ROWS": (32, "query rows per dQ turn or ticket counter: at most the smallest query block"),
 }
+# The launchers' tile shapes that depend on the call (Tiles in contract.h, TILES in _contract.py):
+# name -> (value, meaning). jax_flash/_plan.py picks one per call and the custom calls' `tiles`
+# attribute carries it; a launcher runs the one it is given or refuses it (dispatch.cu).
+TILES = {
+    "USUAL": (0, "the kernel's usual tiles for its head dim and variant"),
+    "TALL": (1, "Hopper forward, head dim 64: 192-query tiles"),
+    "WIDE_KEYS": (2, "Hopper forward, head dims 128 and 256: wider key blocks"),
+    "STEPS_OF_80": (3, "Hopper backward, head dim 128: 80-query steps"),
+    "COMPACT": (4, "mma.sync backward: the compact tiles, for GPUs whose shared memory the usual ones exceed"),
+}
+# The launchers that take a Tiles argument (the others have one tile shape: USUAL).
+TAKES_TILES = ("run_fwd_sm90", "run_bwd_sm90", "run_bwd_sm80")
 # The int32 fields of one segment-chunk summary (jax_flash/_masks.py writes them, mask.cuh reads).
 MASK_CHUNK_FIELDS = ("segment_min", "segment_max", "other_begin", "other_end", "one_begin", "one_end")
 VARIANTS = {"": "kPlain", "_masked": "kMasked", "_softcap": "kSoftcap", "_bias": "kEverything"}  # suffix -> Variant
@@ -96,7 +108,7 @@ HEADER = """\
 """
 INSTANTIATION = """
 template cudaError_t jax_flash::{launcher}<{types}, {head_dim}, jax_flash::Variant::{variant}>(
-    const jax_flash::{params}&, cudaStream_t);
+    const jax_flash::{params}&, {tiles}cudaStream_t);
 """
 # The cache's K/V element types of the kernels whose launcher takes one as its second type
 # argument (None: the queries').
@@ -125,6 +137,10 @@ def contract_header() -> str:
         lines += [f"// (head dim, value head dim) pairs, flattened.",
                   f"using {camel}HeadDims = std::integer_sequence<int, {flat}>;",
                   f"constexpr bool {family}_supports_head_dims(int h, int v) {{ return {test}; }}"]
+    lines += ["", "// The launchers' tile shapes that depend on the call (jax_flash/_plan.py picks one).",
+              "enum class Tiles : int {"]
+    lines += [f"  {_camel(name)} = {value},  // {meaning}" for name, (value, meaning) in TILES.items()]
+    lines += ["};"]
     lines += ["", "// One segment-chunk summary (jax_flash/_masks.py writes them, common/mask.cuh reads them).",
               f"struct MaskChunk {{", f"  int {', '.join(MASK_CHUNK_FIELDS)};", "};",
               f"inline constexpr int kMaskChunkFields = {len(MASK_CHUNK_FIELDS)};",
@@ -143,7 +159,10 @@ def contract_module() -> str:
     lines.append("")
     for name, (value, meaning) in CONSTANTS.items():
         lines.append(f"{name} = {value}  # {meaning}")
-    lines += ["", f"MASK_CHUNK_FIELDS = {MASK_CHUNK_FIELDS!r}", ""]
+    lines += ["", f"MASK_CHUNK_FIELDS = {MASK_CHUNK_FIELDS!r}", "",
+              "# The launchers' tile shapes that depend on the call (contract.h's Tiles): name -> value."]
+    lines += ["TILES = {"] + [f"    {name!r}: {value},  # {meaning}" for name, (value, meaning) in TILES.items()]
+    lines += ["}", ""]
     return "\n".join(lines)
 
 
@@ -185,10 +204,11 @@ def expected_files() -> dict[str, str]:
                     # Split only where Hopper runs the bias variant and not the others: "_bias" names it.
                     split = len(by_family) > 1 and variants == ["kEverything"]
                     name = f"{kernel}_{arch}_{dtype}_hdim{dims}{'_bias' if split else ''}.cu"
+                    tiles = "jax_flash::contract::Tiles, " if launcher in TAKES_TILES else ""
                     types = [ctype] if kernel not in KV_TYPES else [f"{ctype}, {kv or ctype}" for kv in KV_TYPES[kernel]]
                     files[name] = HEADER.format(header=header) + "".join(
                         INSTANTIATION.format(launcher=launcher, types=t, head_dim=arguments, variant=variant,
-                                             params=params)
+                                             params=params, tiles=tiles)
                         for t in types for variant in variants)
                     families[name_of_family].append(name)
     files["families.cmake"] = families_cmake(families)

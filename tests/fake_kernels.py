@@ -10,7 +10,7 @@ import types
 
 import jax.numpy as jnp
 
-from jax_flash import _ffi, _sinks, paged, xla_impl
+from jax_flash import _contract, _ffi, _plan, _sinks, paged, xla_impl
 from jax_flash._validation import AttentionConfig, Call
 
 
@@ -38,8 +38,32 @@ def _with_sinks(out, lse, sinks):
     return (out, lse) if sinks.shape[1] == 0 else _sinks.apply(out, lse, sinks[:, None, :])
 
 
+def launchers_take(target: str, operands, attrs: dict) -> bool:
+    """Whether the launchers (run_sm90.cuh, run_sm80.cuh, dispatch.cu) run the call's `tiles`:
+    each shape beyond USUAL at the family, head dims and variant that have it, else refused."""
+    tiles, family = _plan.Tiles(int(attrs["tiles"])), _plan.Family(int(attrs["family"]))
+    h, hv = operands.q.shape[-1], operands.v.shape[-1]
+    bias = operands.bias.size > 0 or operands.mask.size > 0
+    softcap, segments = float(attrs["softcap"]) > 0, operands.q_segments.shape[1] > 0
+    plain = not (bias or softcap or segments or operands.seqlens.shape[1])
+    forward, hopper = target == "jax_flash_fwd", family is _plan.Family.HOPPER
+    if tiles is _plan.Tiles.USUAL:
+        return True
+    if tiles is _plan.Tiles.TALL:
+        return forward and hopper and h == hv == 64 and not (bias or softcap)
+    if tiles is _plan.Tiles.WIDE_KEYS:
+        return forward and hopper and h == hv and h in (128, 256) and not bias
+    if tiles is _plan.Tiles.STEPS_OF_80:
+        unbanded = int(attrs["window_left"]) < 0 and int(attrs["window_right"]) < 0
+        return not forward and hopper and h == hv == 128 and plain and unbanded and not int(attrs["deterministic"])
+    hopper_has = h in _contract.BWD_SM90_HEAD_DIMS + _contract.BWD_SM90_NO_BIAS_HEAD_DIMS or h != hv
+    return not forward and family is not _plan.Family.TURING and not (hopper and hopper_has)  # COMPACT
+
+
 def call_kernel(target: str, result_types, operands, attrs: dict):
     attrs = _ffi.checked_attrs(target, operands, result_types, attrs)  # as the real call checks them
+    if target != "jax_flash_decode" and not launchers_take(target, operands, attrs):
+        raise ValueError(f"{target}: the launchers refuse tiles {attrs['tiles']} for this call")
     if target == "jax_flash_fwd":
         x = operands
         call = _call(attrs, x.q, x.k, x.v, x.seqlens, x.q_segments, x.kv_segments, x.bias, x.mask)
@@ -88,6 +112,7 @@ def install(monkeypatch):
     # forward above 256 (0: they fit every GPU; tests of the limit put their own sizes here), and
     # the targets built (the portable list, with the test families).
     module = types.SimpleNamespace(sm80_backward_smem_bytes=lambda head_dim: 0,
+                                   sm80_backward_usual_smem_bytes=lambda head_dim: 0,
                                    sm80_wide_forward_smem_bytes=lambda head_dim: 0,
                                    sm75_backward_smem_bytes=lambda head_dim: 0,
                                    built_archs=",".join(_ffi.PORTABLE_BUILT_ARCHS),

@@ -284,6 +284,7 @@ def test_handlers_are_registered_for_cuda_graphs(monkeypatch):
 def _smaller_gpu(monkeypatch, capability, smem_bytes):
     """The stand-in module's mma.sync (and Turing) backward takes `smem_bytes` a block on a GPU of `capability`."""
     module = types.SimpleNamespace(sm80_backward_smem_bytes=lambda head_dim: smem_bytes,
+                                   sm80_backward_usual_smem_bytes=lambda head_dim: smem_bytes,
                                    sm75_backward_smem_bytes=lambda head_dim: smem_bytes)
     monkeypatch.setattr(_ffi, "extension", lambda: module)
     monkeypatch.setattr(_ffi, "device_capability", lambda: capability)

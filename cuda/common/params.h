@@ -127,8 +127,8 @@ struct BwdParams : FwdParams {
   float* dbias;
   Strides4 dbias_strides;
   // Bytes of shared memory a block of the mma.sync backward may take: the limit the Python
-  // dispatch assumed (the GPU's, or JAX_FLASH_SMEM_LIMIT); its launcher picks tiles within it
-  // (sm80/config.cuh, BwdConfig's kCompact). 0: the device's.
+  // plan assumed (the GPU's, or JAX_FLASH_SMEM_LIMIT), against which it chose the usual or the
+  // compact tiles (Tiles::kCompact); the launcher refuses tiles beyond it. 0: the device's.
   int smem_limit;
 };
 

@@ -218,6 +218,25 @@ ffi::Error launch_status(cudaError_t status, const char* what) {
   return ffi::Error::Success();
 }
 
+// The plan's family and tiles (jax_flash/_plan.py): checked here, then the launch's status, which
+// names the plan where it had no kernel for the call (cudaErrorInvalidValue) or tiles beyond
+// this GPU's shared memory (cudaErrorInvalidConfiguration).
+template <typename Run>
+ffi::Error launch_plan(int32_t family, int32_t tiles, const char* what, Run&& run) {
+  if (ffi::Error e = check_kernel_family(family); e.failure()) return e;
+  if (tiles < int32_t(Tiles::kUsual) || tiles > int32_t(Tiles::kCompact)) {
+    return ffi::Error::InvalidArgument("jax_flash: tiles must be one of contract.h's Tiles (0-4), got " +
+                                       std::to_string(tiles));
+  }
+  const cudaError_t status = run(KernelFamily(family), Tiles(tiles));
+  if (status == cudaErrorInvalidValue || status == cudaErrorInvalidConfiguration) {
+    return ffi::Error::InvalidArgument(std::string("jax_flash: the plan (family ") + std::to_string(family) +
+                                       ", tiles " + std::to_string(tiles) + ") or its operands cannot run this " +
+                                       what + ": " + cudaGetErrorString(status));
+  }
+  return launch_status(status, what);
+}
+
 ffi::Error fwd_impl(JAX_FLASH_FWD_PARAMS) {
   FwdParams p{};
   DType dtype;
@@ -240,8 +259,8 @@ ffi::Error fwd_impl(JAX_FLASH_FWD_PARAMS) {
   }
   p.tile_scratch = tile_scratch->typed_data();
   p.tile_scratch_size = scratch_size;
-  if (ffi::Error e = check_kernel_family(family); e.failure()) return e;
-  return launch_status(run_fwd(dtype, p, KernelFamily(family), stream), "forward");
+  return launch_plan(family, tiles, "forward",
+                     [&](KernelFamily f, Tiles t) { return run_fwd(dtype, p, f, t, stream); });
 }
 
 ffi::Error bwd_impl(JAX_FLASH_BWD_PARAMS) {
@@ -304,8 +323,8 @@ ffi::Error bwd_impl(JAX_FLASH_BWD_PARAMS) {
       return launch_status(e, "dbias zeroing");
     }
   }
-  if (ffi::Error e = check_kernel_family(family); e.failure()) return e;
-  return launch_status(run_bwd(dtype, p, KernelFamily(family), stream), "backward");
+  return launch_plan(family, tiles, "backward",
+                     [&](KernelFamily f, Tiles t) { return run_bwd(dtype, p, f, t, stream); });
 }
 
 

@@ -2,4 +2,4 @@
 #include "launch/run_sm80.cuh"
 
 template cudaError_t jax_flash::run_bwd_sm80<__half, 256, jax_flash::Variant::kEverything>(
-    const jax_flash::BwdParams&, cudaStream_t);
+    const jax_flash::BwdParams&, jax_flash::contract::Tiles, cudaStream_t);

@@ -2,13 +2,13 @@
 #include "launch/run_sm80.cuh"
 
 template cudaError_t jax_flash::run_bwd_sm80<__half, 32, jax_flash::Variant::kPlain>(
-    const jax_flash::BwdParams&, cudaStream_t);
+    const jax_flash::BwdParams&, jax_flash::contract::Tiles, cudaStream_t);
 
 template cudaError_t jax_flash::run_bwd_sm80<__half, 32, jax_flash::Variant::kMasked>(
-    const jax_flash::BwdParams&, cudaStream_t);
+    const jax_flash::BwdParams&, jax_flash::contract::Tiles, cudaStream_t);
 
 template cudaError_t jax_flash::run_bwd_sm80<__half, 32, jax_flash::Variant::kSoftcap>(
-    const jax_flash::BwdParams&, cudaStream_t);
+    const jax_flash::BwdParams&, jax_flash::contract::Tiles, cudaStream_t);
 
 template cudaError_t jax_flash::run_bwd_sm80<__half, 32, jax_flash::Variant::kEverything>(
-    const jax_flash::BwdParams&, cudaStream_t);
+    const jax_flash::BwdParams&, jax_flash::contract::Tiles, cudaStream_t);

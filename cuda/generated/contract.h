@@ -54,6 +54,15 @@ constexpr bool fwd_sm90_unequal_supports_head_dims(int h, int v) { return (h == 
 using BwdSm90UnequalHeadDims = std::integer_sequence<int, 192, 128>;
 constexpr bool bwd_sm90_unequal_supports_head_dims(int h, int v) { return (h == 192 && v == 128); }
 
+// The launchers' tile shapes that depend on the call (jax_flash/_plan.py picks one).
+enum class Tiles : int {
+  kUsual = 0,  // the kernel's usual tiles for its head dim and variant
+  kTall = 1,  // Hopper forward, head dim 64: 192-query tiles
+  kWideKeys = 2,  // Hopper forward, head dims 128 and 256: wider key blocks
+  kStepsOf80 = 3,  // Hopper backward, head dim 128: 80-query steps
+  kCompact = 4,  // mma.sync backward: the compact tiles, for GPUs whose shared memory the usual ones exceed
+};
+
 // One segment-chunk summary (jax_flash/_masks.py writes them, common/mask.cuh reads them).
 struct MaskChunk {
   int segment_min, segment_max, other_begin, other_end, one_begin, one_end;

@@ -30,7 +30,8 @@
   .Attr<int32_t>("window_left") \
   .Attr<int32_t>("window_right") \
   .Attr<int32_t>("diagonal_by_lengths")  /* 1: FwdParams::diagonal_by_lengths */ \
-  .Attr<int32_t>("family")  /* KernelFamily: the plan's, jax_flash/_plan.py */
+  .Attr<int32_t>("family")  /* KernelFamily: the plan's, jax_flash/_plan.py */ \
+  .Attr<int32_t>("tiles")  /* contract::Tiles: the plan's, jax_flash/_plan.py */
 
 #define JAX_FLASH_FWD_PARAMS \
   cudaStream_t stream, \
@@ -53,7 +54,8 @@
   int32_t window_left, \
   int32_t window_right, \
   int32_t diagonal_by_lengths, \
-  int32_t family
+  int32_t family, \
+  int32_t tiles
 
 #define JAX_FLASH_BWD_BIND \
   ::xla::ffi::Ffi::Bind() \
@@ -86,6 +88,7 @@
   .Attr<int32_t>("window_right") \
   .Attr<int32_t>("diagonal_by_lengths")  /* 1: FwdParams::diagonal_by_lengths */ \
   .Attr<int32_t>("family")  /* KernelFamily: the plan's, jax_flash/_plan.py */ \
+  .Attr<int32_t>("tiles")  /* contract::Tiles: the plan's, jax_flash/_plan.py */ \
   .Attr<int32_t>("deterministic")  /* 1: dQ parts added in a fixed order */ \
   .Attr<int32_t>("smem_limit")  /* bytes a block may take (0: the GPU's) */
 
@@ -119,6 +122,7 @@
   int32_t window_right, \
   int32_t diagonal_by_lengths, \
   int32_t family, \
+  int32_t tiles, \
   int32_t deterministic, \
   int32_t smem_limit
 

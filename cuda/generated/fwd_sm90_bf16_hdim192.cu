@@ -2,13 +2,13 @@
 #include "launch/run_sm90.cuh"
 
 template cudaError_t jax_flash::run_fwd_sm90<__nv_bfloat16, 192, jax_flash::Variant::kPlain>(
-    const jax_flash::FwdParams&, cudaStream_t);
+    const jax_flash::FwdParams&, jax_flash::contract::Tiles, cudaStream_t);
 
 template cudaError_t jax_flash::run_fwd_sm90<__nv_bfloat16, 192, jax_flash::Variant::kMasked>(
-    const jax_flash::FwdParams&, cudaStream_t);
+    const jax_flash::FwdParams&, jax_flash::contract::Tiles, cudaStream_t);
 
 template cudaError_t jax_flash::run_fwd_sm90<__nv_bfloat16, 192, jax_flash::Variant::kSoftcap>(
-    const jax_flash::FwdParams&, cudaStream_t);
+    const jax_flash::FwdParams&, jax_flash::contract::Tiles, cudaStream_t);
 
 template cudaError_t jax_flash::run_fwd_sm90<__nv_bfloat16, 192, jax_flash::Variant::kEverything>(
-    const jax_flash::FwdParams&, cudaStream_t);
+    const jax_flash::FwdParams&, jax_flash::contract::Tiles, cudaStream_t);

@@ -91,12 +91,15 @@ cudaError_t bias_free_fwd_for(const FwdParams& p, KernelFamily family, cudaStrea
 }
 
 template <typename T, Variant kVariant>
-cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
+cudaError_t fwd_for(const FwdParams& p, KernelFamily family, Tiles tiles, cudaStream_t stream) {
+  // The kernels with one tile shape: the Turing ones, above 256, unequal dims, the mma.sync forward.
+  const bool usual = tiles == Tiles::kUsual;
   if (use_sm75(family)) {
+    if (!usual) return cudaErrorInvalidValue;
     return turing_for<T, kVariant>(p, [&](auto d) { return run_fwd_sm75<T, decltype(d)::value, kVariant>(p, stream); });
   }
   if (p.value_dim != p.head_dim || fwd_sm90_wide_supports_head_dim(p.head_dim)) {
-    return bias_free_fwd_for<T, kVariant>(p, family, stream);
+    return usual ? bias_free_fwd_for<T, kVariant>(p, family, stream) : cudaErrorInvalidValue;
   }
   const bool sm90 = use_sm90(family) && fwd_sm90_supports_head_dim(p.head_dim);
   return by_head_dim(p.head_dim, [&](auto d) -> cudaError_t {
@@ -104,44 +107,46 @@ cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream
     if constexpr (fwd_sm90_supports_head_dim(kHeadDim)) {
       // A bias or mask in another layout than pairs (odd S, strided keys) runs the sm80 kernel.
       const bool layout_ok = kVariant != Variant::kEverything || bias_in_pairs(p);
-      if (sm90 && layout_ok) return run_fwd_sm90<T, kHeadDim, kVariant>(p, stream);
+      if (sm90 && layout_ok) return run_fwd_sm90<T, kHeadDim, kVariant>(p, tiles, stream);
     }
-    return run_fwd_sm80<T, kHeadDim, kVariant>(p, stream);
+    return usual ? run_fwd_sm80<T, kHeadDim, kVariant>(p, stream) : cudaErrorInvalidValue;
   });
 }
 
 template <typename T>
-cudaError_t fwd_for(const FwdParams& p, KernelFamily family, cudaStream_t stream) {
-  return by_variant(p, [&](auto v) { return fwd_for<T, decltype(v)::value>(p, family, stream); });
+cudaError_t fwd_for(const FwdParams& p, KernelFamily family, Tiles tiles, cudaStream_t stream) {
+  return by_variant(p, [&](auto v) { return fwd_for<T, decltype(v)::value>(p, family, tiles, stream); });
 }
 
 // The backwards that run only on Hopper, without a bias or mask: head dim 192 (with one, the Python
 // layer pads it to 256), and unequal query/key and value head dims.
 template <typename T, Variant kVariant>
-cudaError_t hopper_only_bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream) {
+cudaError_t hopper_only_bwd_for(const BwdParams& p, KernelFamily family, Tiles tiles, cudaStream_t stream) {
   if constexpr (kVariant == Variant::kEverything) {
     return cudaErrorInvalidValue;
   } else {
     if (!use_sm90(family)) return cudaErrorInvalidValue;
     if (p.value_dim != p.head_dim) {
+      if (tiles != Tiles::kUsual) return cudaErrorInvalidValue;
       return for_head_dim_pair(contract::BwdSm90UnequalHeadDims{}, p.head_dim, p.value_dim, [&](auto h, auto v) {
         return run_unequal_bwd_sm90<T, decltype(h)::value, decltype(v)::value, kVariant>(p, stream);
       });
     }
     return for_head_dim(contract::BwdSm90NoBiasHeadDims{}, p.head_dim, [&](auto d) {
-      return run_bwd_sm90<T, decltype(d)::value, kVariant>(p, stream);
+      return run_bwd_sm90<T, decltype(d)::value, kVariant>(p, tiles, stream);
     });
   }
 }
 
 template <typename T, Variant kVariant>
-cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream) {
+cudaError_t bwd_for(const BwdParams& p, KernelFamily family, Tiles tiles, cudaStream_t stream) {
   static_assert(std::is_same_v<contract::FwdSm75HeadDims, contract::BwdSm75HeadDims>);
   if (use_sm75(family)) {
+    if (tiles != Tiles::kUsual) return cudaErrorInvalidValue;
     return turing_for<T, kVariant>(p, [&](auto d) { return run_bwd_sm75<T, decltype(d)::value, kVariant>(p, stream); });
   }
   if (p.value_dim != p.head_dim || bwd_sm90_no_bias_supports_head_dim(p.head_dim)) {
-    return hopper_only_bwd_for<T, kVariant>(p, family, stream);
+    return hopper_only_bwd_for<T, kVariant>(p, family, tiles, stream);
   }
   if (!bwd_supports_head_dim(p.head_dim)) return cudaErrorInvalidValue;
   const bool sm90 = use_sm90(family);
@@ -158,10 +163,10 @@ cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream
           bias_ok = sm90::BwdBiasTiles<kHeadDim>::of(p, sizeof(T)).stages > 0;
         }
       }
-      if (sm90 && bias_ok) return run_bwd_sm90<T, kHeadDim, kVariant>(p, stream);
+      if (sm90 && bias_ok) return run_bwd_sm90<T, kHeadDim, kVariant>(p, tiles, stream);
     }
     if constexpr (bwd_supports_head_dim(kHeadDim)) {
-      return run_bwd_sm80<T, kHeadDim, kVariant>(p, stream);
+      return run_bwd_sm80<T, kHeadDim, kVariant>(p, tiles, stream);
     } else {
       return cudaErrorInvalidValue;
     }
@@ -169,8 +174,8 @@ cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream
 }
 
 template <typename T>
-cudaError_t bwd_for(const BwdParams& p, KernelFamily family, cudaStream_t stream) {
-  return by_variant(p, [&](auto v) { return bwd_for<T, decltype(v)::value>(p, family, stream); });
+cudaError_t bwd_for(const BwdParams& p, KernelFamily family, Tiles tiles, cudaStream_t stream) {
+  return by_variant(p, [&](auto v) { return bwd_for<T, decltype(v)::value>(p, family, tiles, stream); });
 }
 
 // The decode kernels over a cache of KvT at one of `dims`.
@@ -203,12 +208,14 @@ const char* family_unavailable(KernelFamily family) {
   return "the plan names an unknown kernel family";
 }
 
-cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, cudaStream_t stream) {
-  return dtype == DType::kFloat16 ? fwd_for<__half>(p, family, stream) : fwd_for<__nv_bfloat16>(p, family, stream);
+cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, Tiles tiles, cudaStream_t stream) {
+  return dtype == DType::kFloat16 ? fwd_for<__half>(p, family, tiles, stream)
+                                  : fwd_for<__nv_bfloat16>(p, family, tiles, stream);
 }
 
-cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, cudaStream_t stream) {
-  return dtype == DType::kFloat16 ? bwd_for<__half>(p, family, stream) : bwd_for<__nv_bfloat16>(p, family, stream);
+cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, Tiles tiles, cudaStream_t stream) {
+  return dtype == DType::kFloat16 ? bwd_for<__half>(p, family, tiles, stream)
+                                  : bwd_for<__nv_bfloat16>(p, family, tiles, stream);
 }
 
 template <typename T>
@@ -270,6 +277,15 @@ int sm75_backward_smem_bytes(int head_dim) {
   int bytes = 0;
   for_head_dim(contract::BwdSm75HeadDims{}, head_dim, [&](auto d) {
     bytes = sm80::BwdConfig<__half, decltype(d)::value, false, Isa::kSm75>::kSmemBytes;
+    return cudaSuccess;
+  });
+  return bytes;
+}
+
+int sm80_backward_usual_smem_bytes(int head_dim) {
+  int bytes = 0;
+  for_head_dim(contract::BwdHeadDims{}, head_dim, [&](auto d) {
+    bytes = sm80::BwdConfig<__nv_bfloat16, decltype(d)::value>::kSmemBytes;  // the same for fp16
     return cudaSuccess;
   });
   return bytes;

@@ -38,9 +38,14 @@ enum class KernelFamily { kTuring = 75, kMmaSync = 80, kHopper = 90 };
 // Why this module and the current GPU cannot run `family`, or nullptr where they can.
 const char* family_unavailable(KernelFamily family);
 
-// The launch status. Callers check the head dim first (cudaErrorInvalidValue otherwise).
-cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, cudaStream_t stream);
-cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, cudaStream_t stream);
+// The plan's tiles (contract.h): the tile shapes that depend on the call, which jax_flash/_plan.py
+// picks. Only the Hopper forward and backward and the mma.sync backward have more than kUsual.
+using contract::Tiles;
+
+// The launch status. Callers check the head dim first; cudaErrorInvalidValue where the plan's
+// family, head dims and tiles name no kernel for the call.
+cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, Tiles tiles, cudaStream_t stream);
+cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, Tiles tiles, cudaStream_t stream);
 // The split-KV decode kernels (mma.sync, every GPU from sm_80 on): q in `dtype` (16-bit), the
 // cache's K and V in `kv_dtype`, the same at every decode head dim or fp8 at decode_fp8's
 // (cudaErrorInvalidValue otherwise).
@@ -50,6 +55,8 @@ cudaError_t run_decode(DType dtype, DType kv_dtype, const DecodeParams& p, cudaS
 // tiles (the compact ones; 0: no kernel). The Python dispatch weighs it against
 // the GPU's limit (sm_86 and sm_89 allow 99 KB a block, sm_80 163 KB).
 int sm80_backward_smem_bytes(int head_dim);
+// The same with its usual tiles (Tiles::kUsual; 0: no kernel), which _plan.py weighs likewise.
+int sm80_backward_usual_smem_bytes(int head_dim);
 // The same for the mma.sync forward: at most 96 KB at every head dim up to 256, the largest over
 // its variants; above 256 (the wide kernel) 85-133 KB. 0: no kernel.
 int sm80_forward_smem_bytes(int head_dim);
@@ -63,11 +70,11 @@ int sm75_backward_smem_bytes(int head_dim);
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_fwd_sm80(const FwdParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim, Variant kVariant>
-cudaError_t run_bwd_sm80(const BwdParams& p, cudaStream_t stream);
+cudaError_t run_bwd_sm80(const BwdParams& p, Tiles tiles, cudaStream_t stream);
 template <typename T, int kHeadDim, Variant kVariant>
-cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream);
+cudaError_t run_fwd_sm90(const FwdParams& p, Tiles tiles, cudaStream_t stream);
 template <typename T, int kHeadDim, Variant kVariant>
-cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream);
+cudaError_t run_bwd_sm90(const BwdParams& p, Tiles tiles, cudaStream_t stream);
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_wide_fwd_sm90(const FwdParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim, Variant kVariant>

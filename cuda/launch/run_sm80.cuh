@@ -47,19 +47,29 @@ cudaError_t launch_bwd_mma(const BwdParams& p, cudaStream_t stream) {
   return launch_dq_from_rows<typename Cfg::T, Cfg::kTuring ? 75 : 80>(p, stream);
 }
 
-// The tiles that fit the shared memory a block may take (BwdParams::smem_limit, within the
-// device's): the usual ones, else the compact ones; none (an error) where neither fits, which the
-// Python dispatch never sends (_ffi.backward_kernels_fit).
+// The mma.sync backward with tiles Cfg, which must fit `limit` bytes a block (0: unknown).
+template <typename Cfg, Variant kVariant>
+cudaError_t launch_bwd_mma_within(const BwdParams& p, int limit, cudaStream_t stream) {
+  if (limit > 0 && Cfg::kSmemBytes > limit) return cudaErrorInvalidConfiguration;
+  if (cudaError_t e = launch_bwd_preprocess<typename Cfg::T, Cfg::kHeadDim, 80>(p, stream); e != cudaSuccess) {
+    return e;
+  }
+  return launch_bwd_mma<Cfg, kVariant>(p, stream);
+}
+
+// The plan's tiles: the usual ones or the compact ones (jax_flash/_plan.py picks the compact ones
+// where the usual exceed the shared memory a block may take). cudaErrorInvalidConfiguration
+// where they exceed this GPU's limit (or BwdParams::smem_limit): the plan and the GPU disagree.
 template <typename T, int kHeadDim, Variant kVariant>
-cudaError_t run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
-  using Cfg = sm80::BwdConfig<T, kHeadDim>;
-  if (cudaError_t e = launch_bwd_preprocess<T, kHeadDim, 80>(p, stream); e != cudaSuccess) return e;
+cudaError_t run_bwd_sm80(const BwdParams& p, contract::Tiles tiles, cudaStream_t stream) {
   int limit = current_device_limits().smem_optin;  // 0 where the runtime cannot say
   if (p.smem_limit > 0 && (limit <= 0 || p.smem_limit < limit)) limit = p.smem_limit;
-  if (limit <= 0 || Cfg::kSmemBytes <= limit) return launch_bwd_mma<Cfg, kVariant>(p, stream);
-  using Compact = sm80::BwdConfig<T, kHeadDim, true>;
-  if (Compact::kSmemBytes <= limit) return launch_bwd_mma<Compact, kVariant>(p, stream);
-  return cudaErrorInvalidConfiguration;
+  switch (tiles) {
+    case contract::Tiles::kUsual: return launch_bwd_mma_within<sm80::BwdConfig<T, kHeadDim>, kVariant>(p, limit, stream);
+    case contract::Tiles::kCompact:
+      return launch_bwd_mma_within<sm80::BwdConfig<T, kHeadDim, true>, kVariant>(p, limit, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace jax_flash

@@ -86,36 +86,36 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The plan's tiles (jax_flash/_plan.py, forward_tiles, says when each is chosen and why), or
+// cudaErrorInvalidValue where this head dim and variant have no such tiles. kUsual with a bias
+// or mask stages its tiles by TMA where they copy by rows and fit (FwdBiasTiles: the operands'
+// strides and alignment, which the plan does not see), and reads them from global memory
+// otherwise.
 template <typename T, int kHeadDim, Variant kVariant>
-cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  // H = 64: 192-row tiles without a band (H5). With one, 128-row tiles waste less on the
-  // diagonal; the 192-row tiles still win on long causal rows (H12), not for windows. Also in the
-  // masked variant, except with segment ids, whose documents' edges 192-row tiles straddle (H24).
-  // Not with the soft cap, whose tanh made the consumers spill.
-  if constexpr (kHeadDim == 64 && (kVariant == Variant::kPlain || kVariant == Variant::kMasked)) {
-    const bool no_band = p.window_left < 0 && p.window_right < 0;
-    const bool long_causal = p.window_left < 0 && p.seqlen_q >= 8192;
-    if ((no_band || long_causal) && p.q_segments == nullptr) {
-      return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 3>, kVariant>(p, stream);
-    }
+cudaError_t run_fwd_sm90(const FwdParams& p, contract::Tiles tiles, cudaStream_t stream) {
+  using contract::Tiles;
+  switch (tiles) {
+    case Tiles::kTall:  // 192-row tiles
+      if constexpr (kHeadDim == 64 && (kVariant == Variant::kPlain || kVariant == Variant::kMasked)) {
+        return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 3>, kVariant>(p, stream);
+      }
+      break;
+    case Tiles::kWideKeys:  // wider key blocks (with a bias their loads' registers spilled)
+      if constexpr ((kHeadDim == 128 || kHeadDim == 256) && kVariant != Variant::kEverything) {
+        return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 2, true>, kVariant>(p, stream);
+      }
+      break;
+    case Tiles::kUsual:
+      if constexpr (kVariant == Variant::kEverything) {
+        if (sm90::FwdBiasTiles<kHeadDim>::of(p, sizeof(T)).stages > 0) {
+          return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 2, false, true>, kVariant>(p, stream);
+        }
+      }
+      return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim>, kVariant>(p, stream);
+    default:
+      break;
   }
-  // H = 128 and 256: wider key blocks (FwdConfig) without a window (H9-H11), also with lengths and
-  // the soft cap. At H = 128 a window bounded on the left, or segments, would waste more of 176
-  // keys at their edges (H11); at H = 256 the blocks are 80 keys against 64, and lose nothing.
-  // The bias variant keeps the narrow blocks: with the wide ones its loads' registers spilled. It
-  // stages its tiles by TMA where they copy by rows and fit (FwdBiasTiles).
-  if constexpr (kVariant == Variant::kEverything) {
-    if (sm90::FwdBiasTiles<kHeadDim>::of(p, sizeof(T)).stages > 0) {
-      return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 2, false, true>, kVariant>(p, stream);
-    }
-  }
-  if constexpr ((kHeadDim == 128 || kHeadDim == 256) && kVariant != Variant::kEverything) {
-    const bool edges = p.window_left >= 0 || p.q_segments != nullptr;
-    if (kHeadDim == 256 || !edges) {
-      return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim, 2, true>, kVariant>(p, stream);
-    }
-  }
-  return launch_fwd_sm90<sm90::FwdConfig<T, kHeadDim>, kVariant>(p, stream);
+  return cudaErrorInvalidValue;
 }
 
 // Unequal head dims (query/key kHeadDim, value kValueDim < kHeadDim; DESIGN.md, "Unequal head
@@ -222,19 +222,25 @@ cudaError_t run_unequal_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   return launch_bwd_sm90_wide<T, kHeadDim, kValueDim, kVariant>(p, stream);
 }
 
+// The plan's tiles, or cudaErrorInvalidValue where this head dim and variant have no such tiles.
+// H = 128's 80-query steps (FlashAttention-3's non-causal tile) take no masks, band or
+// deterministic mode (whose turns count 64-row blocks).
 template <typename T, int kHeadDim, Variant kVariant>
-cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
+cudaError_t run_bwd_sm90(const BwdParams& p, contract::Tiles tiles, cudaStream_t stream) {
+  using contract::Tiles;
   if constexpr (kHeadDim >= 192) {
+    if (tiles != Tiles::kUsual) return cudaErrorInvalidValue;
     return launch_bwd_sm90_wide<T, kHeadDim, kHeadDim, kVariant>(p, stream);
   } else {
-    // H = 128 without masks, band or deterministic mode (whose turns count 64-row blocks):
-    // 80-query steps, FlashAttention-3's non-causal tile.
-    if constexpr (kHeadDim == 128 && kVariant == Variant::kPlain) {
-      if (p.window_left < 0 && p.window_right < 0 && p.dq_turns == nullptr) {
-        using Cfg = sm90::BwdConfig<T, kHeadDim, 80>;
-        return launch_bwd_sm90<Cfg, kVariant>(p, stream);
+    if (tiles == Tiles::kStepsOf80) {
+      if constexpr (kHeadDim == 128 && kVariant == Variant::kPlain) {
+        if (p.window_left < 0 && p.window_right < 0 && p.dq_turns == nullptr) {
+          return launch_bwd_sm90<sm90::BwdConfig<T, kHeadDim, 80>, kVariant>(p, stream);
+        }
       }
+      return cudaErrorInvalidValue;
     }
+    if (tiles != Tiles::kUsual) return cudaErrorInvalidValue;
     constexpr bool kBias = kVariant == Variant::kEverything;
     using Cfg = sm90::BwdConfig<T, kHeadDim, kHeadDim == 64 ? 128 : 64, kBias>;
     return launch_bwd_sm90<Cfg, kVariant>(p, stream);

@@ -10,10 +10,10 @@ namespace jax_flash::sm90 {
 
 // kConsumers: warp groups of 64 query rows. Three (192-row tiles, as FlashAttention-3) only at
 // H = 64, where the softmax is half the work and a third group's products give it more to hide
-// under; the launcher picks them where no band masks the rows (run_sm90.cuh).
+// under; the plan picks them (jax_flash/_plan.py, forward_tiles: Tiles::kTall).
 // kWideBlocks: 176-key blocks at H = 128, 80 at H = 256 (FlashAttention-3's non-causal tiles),
 // which spread a block's fixed cost (waits, turns, row maxima) over more keys; two stages then
-// fill the shared memory. The launcher says where they pay (run_sm90.cuh).
+// fill the shared memory. The plan says where they pay (forward_tiles: Tiles::kWideKeys).
 // kBiasTiles (kBias): the bias and mask staged by TMA a key block at a time (fwd_bias_tiles.cuh),
 // at H = 128 in a region that takes the third K/V stage's place.
 // kValueDim_: V's and O's head dim where it differs from Q's and K's (MLA's 192 / 128): V's stages
