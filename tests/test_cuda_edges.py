@@ -223,3 +223,20 @@ def test_a_gpu_with_less_shared_memory(monkeypatch, limit, h, kernels, variant):
         assert not np.isnan(np.asarray(mine, np.float32)).any(), name
         assert reference.rel_error(mine, want) < GRAD_TOL, name
     assert reference.rel_error(ours(q, k, v, bias), ref(q, k, v, bias)) < FWD_TOL
+
+
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_a_plan_the_launchers_cannot_run_is_refused_by_name(monkeypatch, which):
+    """Tiles the mma.sync launchers do not have (Hopper's tall rows, its 80-query steps) in a
+    plan: the handler's error names the plan, and nothing runs with other tiles instead."""
+    monkeypatch.setenv(_plan.KERNELS_ENV, "sm80")
+    if which == "forward":
+        monkeypatch.setattr(_plan, "forward_tiles", lambda *a: _plan.Tiles.TALL)
+    else:
+        monkeypatch.setattr(_plan, "backward_tiles", lambda *a: _plan.Tiles.STEPS_OF_80)
+    rng = rng_for("cuda-refused-plan", which)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 256, 2, 64)), jnp.bfloat16) for _ in range(3))
+    loss = lambda q: jax_flash.attention(q, k, v, implementation="cuda").astype(jnp.float32).sum()  # noqa: E731
+    tiles = int(_plan.Tiles.TALL if which == "forward" else _plan.Tiles.STEPS_OF_80)
+    with pytest.raises(Exception, match=rf"the plan \(family 80, tiles {tiles}\) or its operands cannot run this {which}"):
+        np.asarray(jax.jit(jax.grad(loss))(q))
