@@ -288,13 +288,11 @@ def tile_traits(call: Call) -> _plan.TileTraits:
     """What the tile rules read of a call: its operands as the kernels get them (a padding mask as
     segment ids, mask_as_segments), its window and deterministic mode."""
     config = call.config
-    segments = call.q_segment_ids is not None or mask_runs_as_segments(call)
     return _plan.TileTraits(
-        bias_or_mask=call.bias is not None or (call.mask is not None and not mask_runs_as_segments(call)),
-        softcap=bool(config.softcap),
+        bias_or_mask=not _no_bias_or_2d_mask(call), softcap=bool(config.softcap),
         lengths=call.query_seq_lengths is not None or call.key_value_seq_lengths is not None,
-        segments=segments, window_left=config.window_left, window_right=config.window_right,
-        deterministic=_ffi.deterministic())  # fmt: skip
+        segments=call.q_segment_ids is not None or mask_runs_as_segments(call), window_left=config.window_left,
+        window_right=config.window_right, deterministic=_ffi.deterministic())  # fmt: skip
 
 
 def _pad_head_dim(x, size: int):
