@@ -80,10 +80,15 @@ def splits(batch: int, queries: int, heads: int, kv_heads: int, seqlen_k: int, h
     streams, and one wave has no tail), if that wave is at least 85% as efficient as the best split
     count's; else the fewest splits that are (FlashAttention's rule). Each warp keeps at least one
     block of keys."""
+    return splits_of_tiles(batch * kv_heads * row_tiles(queries, heads, kv_heads), seqlen_k, head_dim, paged, kv_bytes)
+
+
+def splits_of_tiles(tiles: int, seqlen_k: int, head_dim: int, paged: bool = False, kv_bytes: int = 2) -> int:
+    """`splits`' rule for a grid of `tiles` row tiles (a ragged batch: its work list's items x kv
+    heads) over keys of up to `seqlen_k`."""
     forced = os.environ.get(SPLITS_ENV)
     if forced:
         return max(1, min(MAX_SPLITS, int(forced)))
-    tiles = batch * kv_heads * row_tiles(queries, heads, kv_heads)
     slots = CTAS_PER_SM * sm_count()
     if tiles >= one_split_tiles(paged, kv_bytes):
         return 1

@@ -310,6 +310,35 @@ def decode(config, q, k, v, kv_lengths, page_table, key_scale=None, value_scale=
     return _partition.vary_like(folded(q, k, v, kv_lengths, page_table, *scales, sinks_operand(sinks, b)), q, k, v)
 
 
+def ragged(config, q, k, v, kv_lengths, page_table, work, key_scale=None, value_scale=None, sinks=None):
+    """(out [Q, N, H], lse [N, Q] float32) of a ragged batch from the split-KV kernels over its work
+    list (_ragged_work.py): q [Q, N, H], pools [P, page_size, K, H], kv_lengths int32 [S] (clamped
+    by the kernels), page_table [S, max_pages]; with fp8 pools, key_scale and value_scale float32
+    [K]; `sinks` [N] or None. Rows that no item covers are left as the kernels leave them (the
+    caller masks them). The keys are cut into `_decode.splits_of_tiles` splits of the list's grid."""
+    register_targets()
+    q_rows, n, h = q.shape
+    sequences, kv_heads = page_table.shape[0], k.shape[2]
+    fp8 = key_scale is not None
+    scales = [jnp.broadcast_to(s.astype(jnp.float32), (sequences, kv_heads)) if fp8
+              else jnp.zeros((sequences, 0), jnp.float32) for s in (key_scale, value_scale)]  # fmt: skip
+    splits = _decode.splits_of_tiles(work.shape[0] * kv_heads, k.shape[1] * page_table.shape[1], h, paged=True,
+                                     kv_bytes=k.dtype.itemsize)  # fmt: skip
+    scratch = (splits, q_rows, n) if splits > 1 else (0,)
+    result_types = _operands.RaggedResults(
+        o=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        lse=jax.ShapeDtypeStruct((n, q_rows), jnp.float32),
+        o_partial=jax.ShapeDtypeStruct(scratch + (h,) if splits > 1 else scratch, jnp.float32),
+        lse_partial=jax.ShapeDtypeStruct(scratch, jnp.float32),
+    )
+    operands = _operands.RaggedOperands(q, k, v, kv_lengths=kv_lengths, page_table=page_table, work=work,
+                                        key_scale=scales[0], value_scale=scales[1],
+                                        sinks=sinks_operand(sinks, sequences))  # fmt: skip
+    out, lse, *_ = call_kernel("jax_flash_ragged", result_types, operands,
+                               dict(_window_attrs(config), splits=np.int32(splits)))  # fmt: skip
+    return out, lse
+
+
 def backward(config, plan, q, k, v, out, lse, d_out, d_lse, masks: KernelMasks, bias, mask, want_dbias: bool):
     """(dq, dk, dv, dbias, delta) from the backward kernels; lse and d_lse are [B, N, T] float32
     (d_lse may be [B, N, 0]: zero, the lse unused); bias and mask as `forward` takes them. dbias

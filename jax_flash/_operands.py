@@ -71,6 +71,25 @@ class DecodeResults(NamedTuple):
     lse_partial: Any  # split lse [splits, B, T, N] or empty
 
 
+class RaggedOperands(NamedTuple):
+    q: Any  # [Q, N, H]: every sequence's queries
+    k: Any  # pages [P, page_size, K, H]
+    v: Any  # as k
+    kv_lengths: Any  # [S]
+    page_table: Any  # [S, max_pages]
+    work: Any  # [W, RAGGED_WORK_FIELDS]: DecodeParams::work
+    key_scale: Any  # [S, K] with fp8 k and v, else [S, 0]
+    value_scale: Any  # [S, K] with fp8 k and v, else [S, 0]
+    sinks: Any  # [S, N] natural-log logits joining each row's softmax, or [S, 0]: none
+
+
+class RaggedResults(NamedTuple):
+    o: Any  # [Q, N, H]
+    lse: Any  # [N, Q]
+    o_partial: Any  # split outputs [splits, Q, N, H] or empty
+    lse_partial: Any  # split lse [splits, Q, N] or empty
+
+
 # target -> (operands, results, attribute names)
 TARGETS = {
     "jax_flash_fwd": (
@@ -104,6 +123,18 @@ TARGETS = {
     "jax_flash_decode": (
         DecodeOperands,
         DecodeResults,
+        (
+            "scale",
+            "softcap",
+            "window_left",
+            "window_right",
+            "diagonal_by_lengths",
+            "splits",
+        ),
+    ),
+    "jax_flash_ragged": (
+        RaggedOperands,
+        RaggedResults,
         (
             "scale",
             "softcap",

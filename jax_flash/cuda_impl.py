@@ -17,7 +17,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _contract, _decode, _ffi, _plan, _tangent, dense_impl, xla_impl
+from jax_flash import _contract, _decode, _ffi, _plan, _ragged_work, _tangent, dense_impl, xla_impl
 from jax_flash._plan import Family, kernel_head_dim
 from jax_flash._masks import KernelMasks, kernel_masks
 from jax_flash._validation import AttentionConfig, Call
@@ -228,6 +228,48 @@ def paged_attention(config: AttentionConfig, query, key_pages, value_pages, leng
     out, lse = _ffi.decode(config, query, key_pages, value_pages, kv_lengths, page_indices, key_scale, value_scale,
                            sinks)  # fmt: skip
     return out, lse.transpose(0, 2, 1)
+
+
+def ragged_reason(queries, key_pages, sequences: int, scale: float) -> str | None:
+    """Why the split-KV kernels cannot run a ragged batch of these shapes (queries [Q, N, H],
+    pools [P, page_size, K, H] of q's dtype or fp8, `sequences` rows of the page table), or None
+    when they can. Their head dims are decode's, read in place (others would copy the pool)."""
+    warn_if_kernels_missing()
+    if (reason := install_reason()) is not None:
+        return reason
+    if _plan.family() is Family.TURING:
+        return "the ragged kernels (the decode kernels) run from sm_80 on"
+    if queries.dtype not in KERNEL_DTYPES:
+        return f"the kernels take float16 or bfloat16 queries, got {queries.dtype}"
+    if scale <= 0:
+        return "the kernels need scale > 0"
+    q_rows, n, h = queries.shape
+    _, page_size, kv_heads, _ = key_pages.shape
+    fp8 = key_pages.dtype != queries.dtype
+    dims = _contract.DECODE_FP8_HEAD_DIMS if fp8 else _contract.DECODE_HEAD_DIMS
+    if h not in dims:
+        return f"the ragged kernels take head dims {dims}{' over fp8 pages' if fp8 else ''}, got {h}"
+    if page_size % _decode.BLOCK_KEYS:
+        return f"the ragged kernels read pages of a multiple of {_decode.BLOCK_KEYS} tokens, got {page_size}"
+    if _ragged_work.items_bound(q_rows, sequences, n // kv_heads) > MAX_GRID_YZ or kv_heads > MAX_GRID_YZ:
+        return f"the batch's work list (its query rows x query heads / {_decode.TILE_ROWS}) exceeds the CUDA grid"
+    return None
+
+
+def ragged_paged_attention(queries, key_pages, value_pages, kv_lengths, page_indices, query_starts, num_seqs,
+                           key_scale, value_scale, sinks, *, scale: float, left: int | None, softcap: float | None):
+    """(out [Q, N, H], lse [Q, N]) of a ragged batch that `ragged_reason` accepts, from the split-KV
+    kernels over its work list; arguments validated (ragged._check). Rows past the batch's
+    sequences give 0 (lse -inf) whatever the kernels left there."""
+    q_rows, n, _ = queries.shape
+    group = n // key_pages.shape[2]
+    items = _ragged_work.items_bound(q_rows, page_indices.shape[0], group)
+    work = _ragged_work.work_list(query_starts, num_seqs, group, items)
+    config = AttentionConfig(scale, left, 0, softcap, True)
+    out, lse = _ffi.ragged(config, queries, key_pages, value_pages, kv_lengths, page_indices, work, key_scale,
+                           value_scale, sinks)  # fmt: skip
+    valid = jnp.arange(q_rows) < query_starts[num_seqs]
+    return jnp.where(valid[:, None, None], out, 0), jnp.where(valid[:, None], lse.T, -jnp.inf)
 
 
 def fp8_decode_reason(call: Call, page_size: int | None = None) -> str | None:

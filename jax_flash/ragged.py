@@ -2,20 +2,24 @@
 over one paged KV cache (DESIGN.md's contract; the layout of JAX's TPU `ragged_paged_attention`
 and vLLM's).
 
-Today it is the `xla` path on every backend: the queries of all sequences at once, walking their
-sequences' pages a chunk at a time with an online softmax (memory: the queries x one chunk of
-pages), so that a 1-token sequence and a 2,000-token prefill share one pass without padding
-either to the other's length. The kernels of the ragged issue (a work list built on the GPU,
-decode rows on the split-KV kernels, prefill chunks on the forward kernels' tiles) are not
-written yet: `implementation="cuda"` says so.
+On a GPU from sm_80 on, the split-KV decode kernels run it over a work list made on the device
+(_ragged_work.py): every sequence's queries x query heads of a kv head packed into 16-row tiles,
+so that a 1-token sequence costs one decode tile and a prefill chunk its own tiles, reading K/V
+from the pages in place. Prefill chunks run there too, on those 16-row tiles (the forward
+kernels' 128-row tiles reading pages are not written yet). Elsewhere, and for what the kernels do
+not take (cuda_impl.ragged_reason), the `xla` path: the queries of all sequences at once, walking
+their sequences' pages a chunk at a time with an online softmax (memory: the queries x one chunk
+of pages).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _fp8, _sinks
+from jax_flash import _fp8, _sinks, cuda_impl
 from jax_flash._validation import (INPUT_DTYPES, _as_array, _check_window, as_clamped_int32, check_scale, check_softcap,
                                    check_starts)
 
@@ -86,7 +90,8 @@ def ragged_paged_attention(queries, key_pages, value_pages, kv_lengths, page_ind
       scale, softcap, sinks: as in `jax_flash.attention`. local_window_size: `w` or `(w, right)`
         (keys at most `w` before a query's position; causal, so `right` is 0).
       return_residual: also the log-sum-exp `[Q, N]` float32.
-      implementation: None or "xla" (the one path today), "cuda" (raises: no ragged kernels yet).
+      implementation: None (the kernels where they take the call, else "xla"), "xla", or "cuda"
+        (the kernels, or a ValueError saying why not).
 
     A query whose position sees no key (`kv_lengths[i] < q_i`) gets output 0. Forward only.
 
@@ -95,9 +100,6 @@ def ragged_paged_attention(queries, key_pages, value_pages, kv_lengths, page_ind
     """
     if implementation not in (None, "xla", "cuda"):
         raise ValueError(f"implementation must be None, 'xla' or 'cuda', got {implementation!r}")
-    if implementation == "cuda":
-        raise ValueError("implementation='cuda' cannot run ragged_paged_attention: its kernels are not written yet "
-                         "(None or 'xla' runs the xla path)")  # fmt: skip
     args = _check(queries, key_pages, value_pages, kv_lengths, page_indices, query_starts, num_seqs, key_scale,
                   value_scale)  # fmt: skip
     queries = args[0]
@@ -107,28 +109,48 @@ def ragged_paged_attention(queries, key_pages, value_pages, kv_lengths, page_ind
     sinks = _sinks.check(sinks, queries.shape[1])
     scale = check_scale(scale, queries.shape[-1])
 
-    def walk(*arrays):
-        return _walk(*arrays, scale=scale, left=left, softcap=softcap)
+    reason = "implementation='xla'" if implementation == "xla" else cuda_impl.ragged_reason(
+        queries, args[1], args[4].shape[0], scale)
+    if implementation == "cuda" and reason is not None:
+        raise ValueError(f"implementation='cuda' cannot run ragged_paged_attention: {reason}")
 
-    out, lse = _fp8.forward_only(walk, *args[:7], args[7], args[8], sinks, what="ragged_paged_attention")
+    def run(*arrays):
+        if reason is None:
+            # Under vmap, a batch of steps runs one kernel call after another.
+            kernels = jax.custom_batching.sequential_vmap(functools.partial(
+                cuda_impl.ragged_paged_attention, scale=scale, left=left, softcap=softcap))
+            return kernels(*arrays)
+        return _walk(*arrays[:5], *rows_of_starts(arrays[5], arrays[6], queries.shape[0]), *arrays[7:],
+                     scale=scale, left=left, softcap=softcap)  # fmt: skip
+
+    out, lse = _fp8.forward_only(run, *args[:7], args[7], args[8], sinks, what="ragged_paged_attention")
     return (out, lse) if return_residual else out
 
 
-def _walk(queries, key_pages, value_pages, kv_lengths, page_indices, query_starts, num_seqs, key_scale, value_scale,
-          sinks, *, scale, left, softcap):  # fmt: skip
+def rows_of_starts(query_starts, num_seqs, q_rows: int):
+    """Each query row's (sequence, or -1 for padding; its index among the sequence's queries; the
+    sequence's query count) from valid query starts."""
+    rows = jnp.arange(q_rows, dtype=jnp.int32)
+    seq = jnp.searchsorted(query_starts[1:], rows, side="right").astype(jnp.int32)
+    valid = (rows < query_starts[num_seqs]) & (seq < num_seqs)
+    seq = jnp.minimum(seq, query_starts.shape[0] - 2)
+    start = query_starts[seq]
+    return jnp.where(valid, seq, -1), rows - start, query_starts[seq + 1] - start
+
+
+def _walk(queries, key_pages, value_pages, kv_lengths, page_indices, row_seq, row_query, row_count, key_scale,
+          value_scale, sinks, *, scale, left, softcap):  # fmt: skip
     """(out [Q, N, H], lse [Q, N]): every query row against its sequence's pages, `chunk` pages a
-    step, with an online softmax."""
+    step, with an online softmax; a row's sequence, index among its queries and their count as
+    `rows_of_starts` gives them (sequence -1: a padding row, output 0)."""
     q_rows, n, h = queries.shape
     _, page_size, kv_heads, _ = key_pages.shape
     sequences, max_pages = page_indices.shape
     group = n // kv_heads
-    rows = jnp.arange(q_rows, dtype=jnp.int32)
-    seq = jnp.searchsorted(query_starts[1:], rows, side="right").astype(jnp.int32)
-    valid = (rows < query_starts[num_seqs]) & (seq < num_seqs)
-    seq = jnp.minimum(seq, sequences - 1)
-    q_len = query_starts[seq + 1] - query_starts[seq]
+    valid = row_seq >= 0
+    seq = jnp.maximum(row_seq, 0)
     kv_len = kv_lengths[seq]
-    position = kv_len - q_len + rows - query_starts[seq]  # of each row among its sequence's keys
+    position = kv_len - row_count + row_query  # of each row among its sequence's keys
     chunk = max(1, min(max_pages, CHUNK_BYTES // max(1, 2 * q_rows * page_size * kv_heads * h * 4)))
     steps = -(-max_pages // chunk)
     table = jnp.pad(page_indices, ((0, 0), (0, steps * chunk - max_pages)))[seq]  # [Q, steps * chunk]
@@ -151,6 +173,7 @@ def _walk(queries, key_pages, value_pages, kv_lengths, page_indices, query_start
         if left is not None:
             seen &= keys[None] >= position[:, None] - left
         s = jnp.where(seen[:, None, None, :], s, -jnp.inf)
+        v = jnp.where(seen[:, :, None, None], v, 0)  # slots no row sees may hold anything, NaN included
         m_new = jnp.maximum(m, s.max(-1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - shift[..., None])

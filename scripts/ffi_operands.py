@@ -62,6 +62,18 @@ CUSTOM_CALLS = {
                     ("lse_partial", "f32", "split lse [splits, B, T, N] or empty")],
         "attrs": [*_WINDOW_ATTRS, ("splits", "i32", "")],
     },
+    "ragged": {
+        "args": [("q", "any", "[Q, N, H]: every sequence's queries"), ("k", "any", "pages [P, page_size, K, H]"),
+                 ("v", "any", "as k"), ("kv_lengths", "s32", "[S]"), ("page_table", "s32", "[S, max_pages]"),
+                 ("work", "s32", "[W, RAGGED_WORK_FIELDS]: DecodeParams::work"),
+                 ("key_scale", "f32", "[S, K] with fp8 k and v, else [S, 0]"),
+                 ("value_scale", "f32", "[S, K] with fp8 k and v, else [S, 0]"),
+                 ("sinks", "f32", "[S, N] natural-log logits joining each row's softmax, or [S, 0]: none")],
+        "results": [("o", "any", "[Q, N, H]"), ("lse", "f32", "[N, Q]"),
+                    ("o_partial", "f32", "split outputs [splits, Q, N, H] or empty"),
+                    ("lse_partial", "f32", "split lse [splits, Q, N] or empty")],
+        "attrs": [*_WINDOW_ATTRS, ("splits", "i32", "")],
+    },
 }
 
 

@@ -54,6 +54,7 @@ CONSTANTS = {
     "DECODE_TILE_ROWS": (16, "packed query rows of one decode CTA (one m16 tile)"),
     "DECODE_BLOCK_KEYS": (16, "keys a decode warp reads a step; pages are whole multiples of it"),
     "MAX_DECODE_SPLITS": (128, "splits of a decode tile's keys, at most"),
+    "RAGGED_WORK_FIELDS": (4, "int32 fields of a ragged work item: sequence, first packed row, first query row, queries"),
     "DQ_COUNTER_ROWS": (32, "query rows per dQ turn or ticket counter: at most the smallest query block"),
 }
 # The launchers' tile shapes that depend on the call (Tiles in contract.h, TILES in _contract.py):
@@ -95,6 +96,11 @@ KERNELS = {  # (kernel, arch) -> (launcher header, launcher, params, head dims, 
                          {"": "kMasked", "_softcap": "kSoftcap"}),
     ("decode_fp8", "sm80"): ("launch/run_decode.cuh", "run_decode", "DecodeParams", HEAD_DIMS["decode_fp8"],
                              {"": "kMasked", "_softcap": "kSoftcap"}),
+    # The same kernels over a ragged batch's work list (ragged_paged_attention).
+    ("ragged", "sm80"): ("launch/run_decode.cuh", "run_ragged", "DecodeParams", HEAD_DIMS["decode"],
+                         {"": "kMasked", "_softcap": "kSoftcap"}),
+    ("ragged_fp8", "sm80"): ("launch/run_decode.cuh", "run_ragged", "DecodeParams", HEAD_DIMS["decode_fp8"],
+                             {"": "kMasked", "_softcap": "kSoftcap"}),
 }
 # The mma.sync kernels that a Hopper GPU runs only when a test forces that family: those of the
 # (kernel, head dims) that the Hopper family has too, without a bias (dispatch.cu runs a bias of
@@ -113,6 +119,7 @@ template cudaError_t jax_flash::{launcher}<{types}, {head_dim}, jax_flash::Varia
 # The cache's K/V element types of the kernels whose launcher takes one as its second type
 # argument (None: the queries').
 KV_TYPES = {"decode": (None,), "decode_fp8": ("__nv_fp8_e4m3", "__nv_fp8_e5m2")}
+KV_TYPES.update(ragged=KV_TYPES["decode"], ragged_fp8=KV_TYPES["decode_fp8"])
 
 
 def _camel(name: str) -> str:

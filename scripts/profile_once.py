@@ -1,5 +1,5 @@
 """Runs jax_flash forward and backward once on one benchmark shape (or, with --decode, one decode
-step), for a profiler or compute-sanitizer to attach to:
+step; with --ragged, one ragged step), for a profiler or compute-sanitizer to attach to:
 
     ncu --clock-control none -k regex:bwd_kernel python scripts/profile_once.py --head-dim 128 --seqlen 4096
 
@@ -30,17 +30,37 @@ parser.add_argument("--bias", action="store_true",
 parser.add_argument("--decode", type=int, nargs=2, metavar=("BATCH", "CACHE"), default=None,
                     help="instead: one decode step, T = --queries queries of 32 heads over 8 kv heads against a "
                     "cache of CACHE tokens (the decode kernels)")
+parser.add_argument("--ragged", action="store_true",
+                    help="instead: one ragged step (a 300-token prefill chunk over 1,000 tokens beside 4 decodes, "
+                    "32 heads over 8 kv heads) over pages of --page-size (16) tokens: the ragged kernels")
 parser.add_argument("--queries", type=int, default=1)
 parser.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16",
-                    help="with --decode: the cache as stored (fp8: e4m3 with per-head scales, the fp8 kernels)")
+                    help="with --decode or --ragged: the cache as stored (fp8: e4m3 with per-head scales)")
 parser.add_argument("--page-size", type=int, default=None,
-                    help="with --decode: the cache as a pool of pages of this many tokens (paged_attention)")
+                    help="with --decode: the cache as a pool of pages of this many tokens (paged_attention); "
+                    "with --ragged the pages' size")
 parser.add_argument("--sinks", action="store_true", help="a sink logit per query head (the sinks operand)")
 parser.add_argument("--forward-only", action="store_true", help="no backward (head dims without backward kernels)")
 parser.add_argument("--peer", choices=["fa3_jax", "cudnn"], default=None,
                     help="run a peer instead: FlashAttention-3's JAX binding (plain causal or not) or, with "
                     "--decode, cuDNN through jax.nn")
 args = parser.parse_args()
+
+if args.ragged:
+    from jax_flash.bench import ragged
+
+    shape = ragged.Step("mixed", ((300, 1000),), (1, 17, 2000, 500), args.page_size or 16, head_dim=args.head_dim)
+    q, k, v, *rest = ragged.problem(shape, jnp.bfloat16)[0]
+    sinks = jax.random.normal(jax.random.key(2), (q.shape[1],), jnp.float32) if args.sinks else None
+    scales = {}
+    if args.kv_dtype == "fp8":
+        (k, key_scale), (v, value_scale) = jax_flash.quantize_kv(k), jax_flash.quantize_kv(v)
+        scales = dict(key_scale=key_scale, value_scale=value_scale)
+    step = jax.jit(lambda q, k, v: jax_flash.ragged_paged_attention(
+        q, k, v, *rest, implementation="cuda", sinks=sinks, softcap=args.softcap, local_window_size=args.window,
+        **scales))  # fmt: skip
+    jax.block_until_ready(step(q, k, v))
+    raise SystemExit
 
 if args.decode:
     # As in a generation step: the cache cold (256 MB written after it evict it from the L2), the

@@ -10,7 +10,7 @@ import types
 
 import jax.numpy as jnp
 
-from jax_flash import _contract, _ffi, _plan, _sinks, paged, xla_impl
+from jax_flash import _contract, _ffi, _plan, _ragged_work, _sinks, paged, ragged, xla_impl
 from jax_flash._validation import AttentionConfig, Call
 
 
@@ -62,7 +62,7 @@ def launchers_take(target: str, operands, attrs: dict) -> bool:
 
 def call_kernel(target: str, result_types, operands, attrs: dict):
     attrs = _ffi.checked_attrs(target, operands, result_types, attrs)  # as the real call checks them
-    if target != "jax_flash_decode" and not launchers_take(target, operands, attrs):
+    if target not in ("jax_flash_decode", "jax_flash_ragged") and not launchers_take(target, operands, attrs):
         raise ValueError(f"{target}: the launchers refuse tiles {attrs['tiles']} for this call")
     if target == "jax_flash_fwd":
         x = operands
@@ -85,6 +85,8 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
         out, lse = _with_sinks(*xla_impl.attention(_call(attrs, q, k, v, seqlens, empty, empty, empty, empty)), sinks)
         return (out.astype(out_dtype), lse.astype(jnp.float32).transpose(0, 2, 1), _zeros(result_types.o_partial),
                 _zeros(result_types.lse_partial))  # fmt: skip
+    if target == "jax_flash_ragged":
+        return _ragged(result_types, operands, attrs)
     x, r = operands, result_types
     call = _call(attrs, x.q, x.k, x.v, x.seqlens, x.q_segments, x.kv_segments, x.bias, x.mask)
     d_lse = jnp.zeros(x.lse.shape, x.lse.dtype) if x.dlse.size == 0 else x.dlse  # empty: the lse unused
@@ -94,6 +96,24 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
     delta = jnp.pad(delta, [(0, 0), (0, 0), (0, r.delta.shape[2] - delta.shape[2])])
     scratch = [_zeros(t) for t in (r.lse_log2, r.dq_turns)]
     return (dq.astype(r.dq.dtype), dk, dv, _zeros(r.dq_accum), delta, *scratch, _dbias_result(dbias, r.dbias))
+
+
+def _ragged(result_types, x, attrs: dict):
+    """The ragged kernels from their operands: each row as its work list covers it (a row that no
+    item covers is left NaN, as the kernels leave it unwritten), the scales and sinks of sequence
+    0 (the Python layer broadcasts one set to every sequence)."""
+    q_rows, n, _ = x.q.shape
+    row_seq, row_query, row_count = _ragged_work.rows_of(x.work, q_rows, n // x.k.shape[2])
+    left, softcap = int(attrs["window_left"]), float(attrs["softcap"])
+    scales = (x.key_scale[0], x.value_scale[0]) if x.key_scale.shape[1] else (None, None)
+    out, lse = ragged._walk(x.q, x.k, x.v, jnp.clip(x.kv_lengths, 0, x.k.shape[1] * x.page_table.shape[1]),
+                            x.page_table, row_seq, row_query, row_count, *scales,
+                            x.sinks[0] if x.sinks.shape[1] else None, scale=float(attrs["scale"]),
+                            left=None if left < 0 else left, softcap=softcap or None)  # fmt: skip
+    covered = row_seq >= 0
+    out = jnp.where(covered[:, None, None], out, jnp.nan).astype(x.q.dtype)
+    lse = jnp.where(covered[:, None], lse, jnp.nan).astype(jnp.float32).T
+    return out, lse, _zeros(result_types.o_partial), _zeros(result_types.lse_partial)
 
 
 def _zeros(result_type):

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
-from jax_flash.bench import cli, decode, timing
+from jax_flash.bench import cli, decode, ragged, timing
 from jax_flash.bench import masks as bench_masks
+from tests import reference
 
 
 def test_quick_benchmark_table_and_plot(tmp_path, capsys):
@@ -178,3 +179,19 @@ def test_sinks_benchmark(capsys):
     assert all(r["fwd_ratio"] > 0 and r["fwd"] > 0 for r in rows)
     assert all(r["fwd_bwd_ratio"] > 0 for r in rows if r["kind"] == "training")
     assert "fwd + bwd: with / without" in capsys.readouterr().out
+
+
+def test_ragged_benchmark(capsys):
+    """--ragged: a mixed step timed as one ragged call and as the separate calls on its work, which
+    compute the same rows (so the comparison is of the same work)."""
+    rows = cli.main(["--ragged"])
+    assert [(r["kind"], r["prefills"], r["decodes"]) for r in rows] == [("mixed", 1, 3)]
+    assert all(r["ragged"] > 0 and r["separate"] > 0 and r["ratio"] > 0 for r in rows)
+    assert "ragged / separate" in capsys.readouterr().out
+    (step,) = ragged.grid(on_gpu=False)
+    ragged_args, (prefills, decodes) = ragged.problem(step, jnp.float32)
+    out = jax_flash.ragged_paged_attention(*ragged_args)
+    separate = ragged._separate(prefills, decodes)
+    chunk = step.prefills[0][0]
+    assert reference.rel_error(out[:chunk], separate[0][0]) < 1e-5
+    assert reference.rel_error(out[chunk:], separate[1][:, 0]) < 1e-5

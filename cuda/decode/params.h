@@ -43,6 +43,14 @@ struct DecodeParams : FwdParams {
   // nullptr with a 16-bit cache.
   const float* key_scale;
   const float* value_scale;
+  // A ragged batch (ragged_paged_attention; nullptr: every batch row has seqlen_q queries): the
+  // work list, int32 [work_items, 4], one row tile of one sequence each: (sequence, or -1 for no
+  // work; the tile's first packed row; the sequence's first row of q [Q, N, H]; its query count).
+  // The Python layer makes it on the device from the query starts (jax_flash/_ragged_work.py).
+  // q, o are then [1, Q, N, H] (batch 1, seqlen_q Q) and lse [1, N, Q]; the page table, key
+  // lengths, scales and sinks have a row per sequence. Last: the dense kernels keep their layout.
+  const int* work;
+  int work_items;
 };
 
 }  // namespace jax_flash

@@ -26,7 +26,8 @@ struct QueryTile<Cfg, false> {
   static constexpr int kKSteps = Cfg::kHeadDim / 16;
   uint32_t frag[kKSteps][4];
 
-  __device__ __forceinline__ void load(const FwdParams& p, const PackedRows& rows, int batch, uint32_t, int lane) {
+  template <typename Rows>
+  __device__ __forceinline__ void load(const FwdParams& p, const Rows& rows, int batch, uint32_t, int lane) {
     using T = typename Cfg::T;
     constexpr int kColsPerLane = Cfg::kFp8 ? 4 : 2, kHalfCols = Cfg::kFp8 ? 2 : 8;
 #pragma unroll
@@ -57,7 +58,8 @@ struct QueryTile<Cfg, true> {
   ChunkWalk<Tile, kKSteps> a_q;  // lanes 0-15 give rows, lanes 16-31 the second 8 columns
 
   // `tile`: this warp's copy. Starts the copy (one commit group is left to the caller).
-  __device__ __forceinline__ void load(const FwdParams& p, const PackedRows& rows, int batch, uint32_t tile,
+  template <typename Rows>
+  __device__ __forceinline__ void load(const FwdParams& p, const Rows& rows, int batch, uint32_t tile,
                                        int lane) {
     using T = typename Cfg::T;
     for (int i = lane; i < Tile::kRows * Tile::kChunks; i += 32) {

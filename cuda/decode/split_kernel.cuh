@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "common/logits.cuh"
 #include "common/mask.cuh"
@@ -97,21 +98,30 @@ __device__ __forceinline__ void fp8_values(float (&acc_o)[kDTiles][4], const uin
   }
 }
 
-// kVariant: kMasked (lengths and the band) or kSoftcap (the same with the soft cap).
-template <typename Cfg, Variant kVariant>
+// kVariant: kMasked (lengths and the band) or kSoftcap (the same with the soft cap). kRagged: the
+// CTA's rows are an item of a ragged batch's work list (params.h; the batch row is its sequence),
+// else a tile of blockIdx.z's seqlen_q queries.
+template <typename Cfg, Variant kVariant, bool kRagged = false>
 __global__ void __launch_bounds__(Cfg::kThreads) split_kernel(const DecodeParams p) {
   using T = typename Cfg::T;
   using KvT = typename Cfg::KvT;
+  using Rows = std::conditional_t<kRagged, RaggedRows, PackedRows>;
   constexpr int kHeadDim = Cfg::kHeadDim, kWarps = Cfg::kWarps;
   constexpr int kKSteps = kHeadDim / 16, kDTiles = kHeadDim / 8;
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ __align__(128) char smem[];
   ptx::allow_dependent_grids();  // the combine kernel's CTAs may start now and wait for ours
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int batch = blockIdx.z;
-  const PackedRows rows = PackedRows::of_cta(p);
+  int batch = blockIdx.z;
+  Rows rows;
+  if constexpr (kRagged) {
+    rows = RaggedRows::of_cta(p, batch);
+    if (batch < 0) return;  // past the step's work
+  } else {
+    rows = PackedRows::of_cta(p);
+  }
   const int kv_length = p.kv_lengths ? min(max(__ldg(p.kv_lengths + batch), 0), p.seqlen_k) : p.seqlen_k;
-  const Band band = Band::with_lengths<true>(p, batch, p.seqlen_q, kv_length);
+  const Band band = Band::with_lengths<true>(p, batch, rows.queries(p), kv_length);
   const auto logits = scaled_logits<Cfg, kVariant>(p, batch, rows.kv_head);
   const Range keys = band.keys_of(rows.query(0), rows.query(rows.last_valid()));
   const BlockRange blocks = split_blocks(keys, blockIdx.x, p.splits);

@@ -14,8 +14,8 @@
 
 namespace jax_flash::decode {
 
-template <typename Cfg, int kDTiles>
-__device__ __forceinline__ void merge_and_store(const DecodeParams& p, const PackedRows& rows, int batch, int split,
+template <typename Cfg, int kDTiles, typename Rows>
+__device__ __forceinline__ void merge_and_store(const DecodeParams& p, const Rows& rows, int batch, int split,
                                                 const OnlineSoftmax& softmax, const float (&acc_o)[kDTiles][4],
                                                 float unit, char* smem) {
   using T = typename Cfg::T;
@@ -89,7 +89,7 @@ __device__ __forceinline__ void merge_and_store(const DecodeParams& p, const Pac
     if (p.splits == 1) {
       const uint2 packed{ptx::pack2<T>(o.x * inv, o.y * inv), ptx::pack2<T>(o.z * inv, o.w * inv)};
       *reinterpret_cast<uint2*>(static_cast<T*>(p.o) + out_row * kHeadDim + col) = packed;
-      if (col == 0) p.lse[(int64_t(batch) * p.heads + rows.head(row)) * p.seqlen_q + rows.query(row)] = lse;
+      if (col == 0) p.lse[rows.lse_index(p, batch, row)] = lse;
     } else {
       const int64_t part_row = split * rows_per_split + out_row;
       *reinterpret_cast<float4*>(p.o_partial + part_row * kHeadDim + col) =

@@ -403,6 +403,93 @@ ffi::Error decode_impl(JAX_FLASH_DECODE_PARAMS) {
   return launch_status(run_decode(dtype, kv_dtype, p, stream), "decode");
 }
 
+// A ragged batch (jax_flash.ragged_paged_attention): q [Q, N, H] holds every sequence's queries,
+// the pages [P, page_size, K, H] every sequence's cache; kv_lengths [S], page_table [S, max_pages],
+// the work list [W, 4] (DecodeParams::work), scales and sinks a row per sequence; o [Q, N, H],
+// lse [N, Q], and the split scratch [splits, Q, N, H] and [splits, Q, N] (each empty with one split).
+ffi::Error ragged_impl(JAX_FLASH_RAGGED_PARAMS) {
+  DecodeParams p{};
+  DType dtype, kv_dtype;
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = page_table.dimensions(), wd = work.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || wd.size() != 2 || wd[1] != contract::kRaggedWorkFields ||
+      kd[0] == 0 || kd[1] % kDecodeBlockKeys != 0 || td[1] == 0 || !has_shape(kv_lengths, {td[0]})) {
+    return ffi::Error::InvalidArgument(
+        "jax_flash: ragged attention takes q [Q, N, H], pages [P, page_size (a multiple of " +
+        std::to_string(kDecodeBlockKeys) + "), K, H], kv_lengths [S], a page table [S, max_pages >= 1] and a work "
+        "list [W, " + std::to_string(contract::kRaggedWorkFields) + "], got " + shape_string(qd) + ", " +
+        shape_string(kd) + ", " + shape_string(kv_lengths.dimensions()) + ", " + shape_string(td) + ", " +
+        shape_string(wd));
+  }
+  const int64_t sequences = td[0];
+  if (ffi::Error e = dtype_of(q.element_type(), &dtype); e.failure()) return e;
+  if (ffi::Error e = kv_dtype_of(k.element_type(), &kv_dtype); e.failure()) return e;
+  if (v.element_type() != k.element_type() || !has_shape(v, {kd[0], kd[1], kd[2], kd[3]}) || kd[3] != qd[2] ||
+      kd[2] == 0 || qd[1] % kd[2] != 0) {
+    return ffi::Error::InvalidArgument("jax_flash: ragged attention's q " + shape_string(qd) + ", k " +
+                                       shape_string(kd) + " and v " + shape_string(v.dimensions()) + " do not match");
+  }
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.batch = 1;
+  p.seqlen_q = static_cast<int>(qd[0]);
+  p.heads = static_cast<int>(qd[1]);
+  p.head_dim = p.value_dim = static_cast<int>(qd[2]);
+  p.kv_heads = static_cast<int>(kd[2]);
+  p.page_table = page_table.typed_data();
+  p.page_size = static_cast<int>(kd[1]);
+  p.max_pages = static_cast<int>(td[1]);
+  p.pool_pages = static_cast<int>(kd[0]);
+  p.seqlen_k = p.page_size * p.max_pages;
+  p.kv_lengths = kv_lengths.typed_data();
+  p.work = work.typed_data();
+  p.work_items = static_cast<int>(wd[0]);
+  const bool fp8 = kv_dtype == DType::kFp8E4m3 || kv_dtype == DType::kFp8E5m2;
+  if (kv_dtype != dtype && !fp8) {
+    return ffi::Error::InvalidArgument("jax_flash: ragged attention takes pages in q's dtype or in fp8");
+  }
+  // The decode kernels' head dims (generate_instantiations.py instantiates ragged at the same).
+  if (fp8 ? !contract::decode_fp8_supports_head_dim(p.head_dim) : !contract::decode_supports_head_dim(p.head_dim)) {
+    return ffi::Error::InvalidArgument("jax_flash: no ragged kernel for head dim " + std::to_string(p.head_dim) +
+                                       (fp8 ? " over fp8 pages" : ""));
+  }
+  for (const auto* scale : {&key_scale, &value_scale}) {
+    if (!has_shape(*scale, {sequences, fp8 ? p.kv_heads : 0})) {
+      return ffi::Error::InvalidArgument("jax_flash: key_scale and value_scale must be [S, K] with fp8 pages, else "
+                                         "[S, 0], got " + shape_string(scale->dimensions()));
+    }
+  }
+  if (fp8) {
+    p.key_scale = key_scale.typed_data();
+    p.value_scale = value_scale.typed_data();
+  }
+  if (sinks.element_count() > 0) {
+    if (!has_shape(sinks, {sequences, p.heads})) {
+      return ffi::Error::InvalidArgument("jax_flash: ragged sinks must be [S, N] or empty, got " +
+                                         shape_string(sinks.dimensions()));
+    }
+    p.sinks = sinks.typed_data();
+  }
+  if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, diagonal_by_lengths, &p); e.failure()) return e;
+  p.o = o->untyped_data();
+  p.lse = lse->typed_data();
+  p.splits = splits;
+  const int64_t rows = int64_t(p.seqlen_q) * p.heads;
+  if (splits < 1 || splits > kMaxDecodeSplits) {
+    return ffi::Error::InvalidArgument("jax_flash: splits must be in [1, " + std::to_string(kMaxDecodeSplits) +
+                                       "], got " + std::to_string(splits));
+  }
+  if (splits > 1 && (int64_t(o_partial->element_count()) != splits * rows * p.head_dim ||
+                     int64_t(lse_partial->element_count()) != splits * rows)) {
+    return ffi::Error::InvalidArgument("jax_flash: the split scratch must be [splits, Q, N, H] and [splits, Q, N], got " +
+                                       shape_string(o_partial->dimensions()) + " and " +
+                                       shape_string(lse_partial->dimensions()));
+  }
+  p.o_partial = o_partial->typed_data();
+  p.lse_partial = lse_partial->typed_data();
+  return launch_status(run_decode(dtype, kv_dtype, p, stream), "ragged");
+}
+
 }  // namespace
 }  // namespace jax_flash
 
@@ -415,6 +502,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_bwd_handler, jax_flash::bwd_impl, JAX_FL
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_decode_handler, jax_flash::decode_impl, JAX_FLASH_DECODE_BIND,
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_flash_ragged_handler, jax_flash::ragged_impl, JAX_FLASH_RAGGED_BIND,
+                              {ffi::Traits::kCmdBufferCompatible});
+
 namespace jax_flash {
 
 std::vector<FfiTarget> ffi_targets() {
@@ -422,6 +512,7 @@ std::vector<FfiTarget> ffi_targets() {
       {"jax_flash_fwd", reinterpret_cast<void*>(jax_flash_fwd_handler)},
       {"jax_flash_bwd", reinterpret_cast<void*>(jax_flash_bwd_handler)},
       {"jax_flash_decode", reinterpret_cast<void*>(jax_flash_decode_handler)},
+      {"jax_flash_ragged", reinterpret_cast<void*>(jax_flash_ragged_handler)},
   };
 }
 

@@ -20,6 +20,8 @@ inline constexpr int kDecodeTileRows = 16;
 inline constexpr int kDecodeBlockKeys = 16;
 // splits of a decode tile's keys, at most
 inline constexpr int kMaxDecodeSplits = 128;
+// int32 fields of a ragged work item: sequence, first packed row, first query row, queries
+inline constexpr int kRaggedWorkFields = 4;
 // query rows per dQ turn or ticket counter: at most the smallest query block
 inline constexpr int kDqCounterRows = 32;
 

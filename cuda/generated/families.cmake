@@ -87,6 +87,22 @@ set(JAX_FLASH_MMA_SYNC_SOURCES
   fwd_sm80_fp16_hdim32.cu
   fwd_sm80_fp16_hdim64_bias.cu
   fwd_sm80_fp16_hdim96.cu
+  ragged_fp8_sm80_bf16_hdim128.cu
+  ragged_fp8_sm80_bf16_hdim64.cu
+  ragged_fp8_sm80_fp16_hdim128.cu
+  ragged_fp8_sm80_fp16_hdim64.cu
+  ragged_sm80_bf16_hdim128.cu
+  ragged_sm80_bf16_hdim192.cu
+  ragged_sm80_bf16_hdim256.cu
+  ragged_sm80_bf16_hdim32.cu
+  ragged_sm80_bf16_hdim64.cu
+  ragged_sm80_bf16_hdim96.cu
+  ragged_sm80_fp16_hdim128.cu
+  ragged_sm80_fp16_hdim192.cu
+  ragged_sm80_fp16_hdim256.cu
+  ragged_sm80_fp16_hdim32.cu
+  ragged_sm80_fp16_hdim64.cu
+  ragged_sm80_fp16_hdim96.cu
 )
 set(JAX_FLASH_MMA_SYNC_OFF_HOPPER_SOURCES
   bwd_sm80_bf16_hdim128.cu

@@ -168,3 +168,48 @@
   int32_t window_right, \
   int32_t diagonal_by_lengths, \
   int32_t splits
+
+#define JAX_FLASH_RAGGED_BIND \
+  ::xla::ffi::Ffi::Bind() \
+  .Ctx<::xla::ffi::PlatformStream<cudaStream_t>>() \
+  .Arg<::xla::ffi::AnyBuffer>()  /* q: [Q, N, H]: every sequence's queries */ \
+  .Arg<::xla::ffi::AnyBuffer>()  /* k: pages [P, page_size, K, H] */ \
+  .Arg<::xla::ffi::AnyBuffer>()  /* v: as k */ \
+  .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()  /* kv_lengths: [S] */ \
+  .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()  /* page_table: [S, max_pages] */ \
+  .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()  /* work: [W, RAGGED_WORK_FIELDS]: DecodeParams::work */ \
+  .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* key_scale: [S, K] with fp8 k and v, else [S, 0] */ \
+  .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* value_scale: [S, K] with fp8 k and v, else [S, 0] */ \
+  .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* sinks: [S, N] natural-log logits joining each row's softmax, or [S, 0]: none */ \
+  .Ret<::xla::ffi::AnyBuffer>()  /* o: [Q, N, H] */ \
+  .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* lse: [N, Q] */ \
+  .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* o_partial: split outputs [splits, Q, N, H] or empty */ \
+  .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* lse_partial: split lse [splits, Q, N] or empty */ \
+  .Attr<float>("scale") \
+  .Attr<float>("softcap")  /* 0: none */ \
+  .Attr<int32_t>("window_left") \
+  .Attr<int32_t>("window_right") \
+  .Attr<int32_t>("diagonal_by_lengths")  /* 1: FwdParams::diagonal_by_lengths */ \
+  .Attr<int32_t>("splits")
+
+#define JAX_FLASH_RAGGED_PARAMS \
+  cudaStream_t stream, \
+  ::xla::ffi::AnyBuffer q, \
+  ::xla::ffi::AnyBuffer k, \
+  ::xla::ffi::AnyBuffer v, \
+  ::xla::ffi::Buffer<::xla::ffi::S32> kv_lengths, \
+  ::xla::ffi::Buffer<::xla::ffi::S32> page_table, \
+  ::xla::ffi::Buffer<::xla::ffi::S32> work, \
+  ::xla::ffi::Buffer<::xla::ffi::F32> key_scale, \
+  ::xla::ffi::Buffer<::xla::ffi::F32> value_scale, \
+  ::xla::ffi::Buffer<::xla::ffi::F32> sinks, \
+  ::xla::ffi::Result<::xla::ffi::AnyBuffer> o, \
+  ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::F32>> lse, \
+  ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::F32>> o_partial, \
+  ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::F32>> lse_partial, \
+  float scale, \
+  float softcap, \
+  int32_t window_left, \
+  int32_t window_right, \
+  int32_t diagonal_by_lengths, \
+  int32_t splits

@@ -178,11 +178,16 @@ cudaError_t bwd_for(const BwdParams& p, KernelFamily family, Tiles tiles, cudaSt
   return by_variant(p, [&](auto v) { return bwd_for<T, decltype(v)::value>(p, family, tiles, stream); });
 }
 
-// The decode kernels over a cache of KvT at one of `dims`.
+// The decode kernels over a cache of KvT at one of `dims`, over a ragged batch's work list where
+// p has one.
 template <typename T, typename KvT, typename HeadDims>
 cudaError_t decode_for(HeadDims dims, const DecodeParams& p, cudaStream_t stream) {
   return for_head_dim(dims, p.head_dim, [&](auto d) -> cudaError_t {
     constexpr int kHeadDim = decltype(d)::value;
+    if (p.work != nullptr) {
+      if (p.softcap > 0.f) return run_ragged<T, KvT, kHeadDim, Variant::kSoftcap>(p, stream);
+      return run_ragged<T, KvT, kHeadDim, Variant::kMasked>(p, stream);
+    }
     if (p.softcap > 0.f) return run_decode<T, KvT, kHeadDim, Variant::kSoftcap>(p, stream);
     return run_decode<T, KvT, kHeadDim, Variant::kMasked>(p, stream);
   });

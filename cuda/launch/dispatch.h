@@ -48,7 +48,7 @@ cudaError_t run_fwd(DType dtype, const FwdParams& p, KernelFamily family, Tiles 
 cudaError_t run_bwd(DType dtype, const BwdParams& p, KernelFamily family, Tiles tiles, cudaStream_t stream);
 // The split-KV decode kernels (mma.sync, every GPU from sm_80 on): q in `dtype` (16-bit), the
 // cache's K and V in `kv_dtype`, the same at every decode head dim or fp8 at decode_fp8's
-// (cudaErrorInvalidValue otherwise).
+// (cudaErrorInvalidValue otherwise); over a ragged batch's work list where p has one (run_ragged).
 cudaError_t run_decode(DType dtype, DType kv_dtype, const DecodeParams& p, cudaStream_t stream);
 
 // Bytes of shared memory a block of the mma.sync backward takes at this head dim with its smallest
@@ -85,6 +85,8 @@ template <typename T, int kHeadDim, int kValueDim, Variant kVariant>
 cudaError_t run_unequal_bwd_sm90(const BwdParams& p, cudaStream_t stream);
 template <typename T, typename KvT, int kHeadDim, Variant kVariant>
 cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream);
+template <typename T, typename KvT, int kHeadDim, Variant kVariant>
+cudaError_t run_ragged(const DecodeParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim, Variant kVariant>
 cudaError_t run_fwd_sm75(const FwdParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim, Variant kVariant>

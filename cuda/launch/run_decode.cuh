@@ -1,5 +1,6 @@
-// Launcher of the decode kernels for one (query and K/V element types, head dim, variant): the split kernel over
-// (splits, kv heads x row tiles, batch) and, with several splits, the combine kernel after it.
+// Launchers of the decode kernels for one (query and K/V element types, head dim, variant): the split kernel over
+// (splits, kv heads x row tiles, batch), or over a ragged batch's work list, and, with several splits, the combine
+// kernel after it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -45,22 +46,28 @@ inline bool one_cta_an_sm(int64_t ctas, int sms) {
   return ctas > 2 * int64_t(sms) || ctas % sms == 0 || 8 * (ctas % sms) >= 7 * int64_t(sms);
 }
 
-// The split kernel over (splits, tiles, batch), with `smem` bytes of dynamic shared memory (at
-// least the configuration's; more keeps other CTAs off its SM).
-template <typename Cfg, Variant kVariant>
+// The split kernel over (splits, tiles, batch), or with kRagged over (splits, work items, kv
+// heads), with `smem` bytes of dynamic shared memory (at least the configuration's; more keeps
+// other CTAs off its SM).
+template <typename Cfg, Variant kVariant, bool kRagged>
 cudaError_t launch_split(const DecodeParams& p, unsigned tiles, int smem, cudaStream_t stream) {
-  auto kernel = decode::split_kernel<Cfg, kVariant>;
+  auto kernel = decode::split_kernel<Cfg, kVariant, kRagged>;
   if (cudaError_t e = allow_smem(kernel, smem); e != cudaSuccess) return e;
-  kernel<<<dim3(p.splits, tiles, p.batch), Cfg::kThreads, smem, stream>>>(p);
+  const dim3 grid = kRagged ? dim3(p.splits, unsigned(p.work_items), p.kv_heads) : dim3(p.splits, tiles, p.batch);
+  kernel<<<grid, Cfg::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <typename T, typename KvT, int kHeadDim, Variant kVariant>
-cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
+// The split kernel, then with several splits the combine kernel.
+template <typename T, typename KvT, int kHeadDim, Variant kVariant, bool kRagged>
+cudaError_t run_split_kv(const DecodeParams& p, cudaStream_t stream) {
   using Cfg = decode::Config<T, KvT, kHeadDim>;
   const int64_t tiles = int64_t(p.kv_heads) * decode_row_tiles(p.seqlen_q, p.heads, p.kv_heads);
+  const int64_t ctas_a_split = kRagged ? int64_t(p.work_items) * p.kv_heads : tiles * p.batch;
   const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads;
-  if (tiles > kMaxGridYZ || p.batch > kMaxGridYZ || p.splits < 1 || p.splits > kMaxDecodeSplits ||
+  const bool grid_fits = kRagged ? p.work_items <= kMaxGridYZ && p.kv_heads <= kMaxGridYZ && p.batch == 1
+                                 : tiles <= kMaxGridYZ && p.batch <= kMaxGridYZ;
+  if (!grid_fits || p.splits < 1 || p.splits > kMaxDecodeSplits ||
       (p.splits > 1 && (rows + decode::kCombineWarps - 1) / decode::kCombineWarps > INT32_MAX)) {
     return cudaErrorInvalidConfiguration;  // cuda_impl.py's decode rule keeps calls inside these
   }
@@ -70,14 +77,28 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
       const DeviceLimits device = current_device_limits();
       // Over half an SM's shared memory: no second CTA fits beside it.
       const int smem = std::max(OneAnSmCfg::kSmemBytes, device.smem_per_sm / 2 + 1);
-      if (one_cta_an_sm(tiles * p.splits * p.batch, device.sms) && smem <= device.smem_optin) {
-        return launch_split<OneAnSmCfg, kVariant>(p, unsigned(tiles), smem, stream);
+      if (one_cta_an_sm(ctas_a_split * p.splits, device.sms) && smem <= device.smem_optin) {
+        return launch_split<OneAnSmCfg, kVariant, kRagged>(p, unsigned(tiles), smem, stream);
       }
     }
-    return launch_split<Cfg, kVariant>(p, unsigned(tiles), Cfg::kSmemBytes, stream);
+    return launch_split<Cfg, kVariant, kRagged>(p, unsigned(tiles), Cfg::kSmemBytes, stream);
   };
   if (cudaError_t e = launch(); e != cudaSuccess || p.splits == 1) return e;
   return launch_combine<T, kHeadDim>(p, stream);
+}
+
+template <typename T, typename KvT, int kHeadDim, Variant kVariant>
+cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
+  return run_split_kv<T, KvT, kHeadDim, kVariant, false>(p, stream);
+}
+
+// A ragged batch (DecodeParams::work): the same kernels over its work list. A ragged grid counts
+// the list's items, which bound the step's tiles (the items past its work exit at once), so the
+// one-CTA-an-SM choice may take the deeper rings' configuration for a step emptier than its shape.
+template <typename T, typename KvT, int kHeadDim, Variant kVariant>
+cudaError_t run_ragged(const DecodeParams& p, cudaStream_t stream) {
+  if (p.work == nullptr) return cudaErrorInvalidValue;
+  return run_split_kv<T, KvT, kHeadDim, kVariant, true>(p, stream);
 }
 
 }  // namespace jax_flash

@@ -1,5 +1,5 @@
 """`python -m jax_flash.bench`: the command line over the benchmark's tables (training.py, masks.py,
-ring.py, decode.py, sinks.py)."""
+ring.py, decode.py, sinks.py, ragged.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import jax
 
-from jax_flash.bench import decode, masks, ring, sinks, training
+from jax_flash.bench import decode, masks, ragged, ring, sinks, training
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m jax_flash.bench", description=training.__doc__,
@@ -27,6 +27,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--kv-dtype", choices=("model", "fp8"), default="model",
                         help="with --decode: fp8 also times jax_flash's fp8 caches (float8_e4m3fn)")
     parser.add_argument("--sinks", action="store_true", help="time gpt-oss's attention with sinks against without")
+    parser.add_argument("--ragged", action="store_true",
+                        help="time a serving step's ragged batch against the separate calls on its work")
     parser.add_argument("--ring-seqlen", type=int, default=32768, help="tokens per device for --ring")
     args = parser.parse_args(argv)
     if args.ring:
@@ -34,6 +36,12 @@ def main(argv=None) -> list[dict]:
         print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}, jax {jax.__version__}, "
               f"{args.ring_seqlen} tokens per device, 16 heads, d = 128, bf16")
         print(ring.table(rows))
+        return rows
+    if args.ragged:
+        rows = ragged.run()
+        print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {ragged.HEADS} / {ragged.KV_HEADS} "
+              f"heads, d = {ragged.HEAD_DIM}")
+        print(ragged.table(rows))
         return rows
     if args.sinks:
         rows = sinks.run()

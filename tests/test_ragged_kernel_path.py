@@ -1,0 +1,154 @@
+"""ragged_paged_attention's kernel path on CPU: its work list (_ragged_work.py) covers every row of
+every sequence once and nothing else, within its static bound; the Python around the custom call
+(routing, operands, masking of rows no item covers) runs through tests/fake_kernels.py, which
+computes each row as the work list covers it and leaves the rest NaN, as the kernels do."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import _plan, _ragged_work
+from tests import fake_kernels, reference
+from tests.cases import rng_for
+from tests.test_ragged import step_problem, step_reference
+
+TILE = _ragged_work.TILE_ROWS
+
+
+def _covered(work, q_rows, group):
+    """(query row, head of the group) -> how many items cover it, and the items' sequences."""
+    count = np.zeros((q_rows, group), np.int64)
+    seq_of_row = np.full(q_rows, -1)
+    for seq, first, row0, queries in np.asarray(work):
+        if seq < 0:
+            continue
+        for packed in range(first, min(first + TILE, queries * group)):
+            row = row0 + packed // group
+            count[row, packed % group] += 1
+            assert seq_of_row[row] in (-1, seq)
+            seq_of_row[row] = seq
+    return count, seq_of_row
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 16])
+def test_the_work_list_covers_each_row_once(group):
+    """Random steps (empty sequences, prefills, decodes, padding past num_seqs), and the one that
+    fills the bound (every sequence one row past a whole tile)."""
+    rng = np.random.default_rng(group)
+    worst = [TILE // group + 1 if group < TILE else 1] * 7
+    for q_lengths in [list(rng.integers(0, 40, size=9)), [0, 0, 0], [1] * 12, worst, [63, 0, 1, 2, 17]]:
+        sequences = len(q_lengths)
+        num_seqs = sequences if len(q_lengths) < 6 else sequences - 2
+        starts = np.concatenate([[0], np.cumsum(q_lengths)]).astype(np.int32)
+        q_rows = int(starts[-1]) + 2
+        items = _ragged_work.items_bound(q_rows, sequences, group)
+        work = _ragged_work.work_list(jnp.asarray(starts), jnp.int32(num_seqs), group, items)
+        assert work.shape == (items, _ragged_work.FIELDS)
+        count, seq_of_row = _covered(work, q_rows, group)
+        live = int(starts[num_seqs])
+        assert np.all(count[:live] == 1) and np.all(count[live:] == 0)
+        expect = np.searchsorted(starts[1:], np.arange(live), side="right")
+        np.testing.assert_array_equal(seq_of_row[:live], expect)
+        # The items past the tiles name no sequence; the tiles never outgrow the bound.
+        tiles = sum(-(-q * group // TILE) for q in q_lengths[:num_seqs])
+        assert np.all(np.asarray(work[:tiles, 0]) >= 0) and np.all(np.asarray(work[tiles:, 0]) == -1)
+    worst_starts = jnp.asarray(np.concatenate([[0], np.cumsum(worst)]), jnp.int32)
+    bound = _ragged_work.items_bound(int(worst_starts[-1]), len(worst), group)
+    assert sum(-(-q * group // TILE) for q in worst) <= bound
+
+
+CASES = {"plain": {}, "window": {"local_window_size": 9}, "softcap": {"softcap": 4.0}, "sinks": {"sinks": True}}
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (16, 1)])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_kernel_path_against_float64(monkeypatch, heads, case):
+    """implementation="cuda" through the stand-in: a prefill chunk, decodes, a speculative step, an
+    empty sequence and padding past num_seqs, pages of 16 and 64 tokens."""
+    calls = fake_kernels.record_calls(monkeypatch)
+    for page_size in (16, 64):
+        rng = rng_for("ragged-kernels", heads, case, page_size)
+        q_lengths, kv_lengths = [20, 1, 1, 4, 0, 1, 3], [45, 1, page_size, 70, 12, 30, 9]
+        queries, kp, vp, lengths, table, starts = step_problem(rng, q_lengths, kv_lengths, page_size,
+                                                                dtype=jnp.bfloat16, heads=heads)  # fmt: skip
+        kw = dict(CASES[case])
+        if kw.pop("sinks", False):
+            kw["sinks"] = jnp.asarray(rng.normal(size=(heads[0],)), jnp.float32)
+        out, lse = jax_flash.ragged_paged_attention(queries, kp, vp, lengths, table, starts, jnp.int32(5),
+                                                    return_residual=True, implementation="cuda", **kw)  # fmt: skip
+        ref_out, ref_lse = step_reference(queries, kp, vp, lengths, table, starts, 5, **kw)
+        live = int(starts[5])
+        assert out.dtype == jnp.bfloat16 and not np.isnan(np.asarray(out, np.float32)).any()
+        assert reference.rel_error(out, ref_out) < 1e-2
+        assert reference.rel_error(lse[:live], ref_lse[:live]) < 1e-3
+        assert np.all(np.asarray(out[live:], np.float32) == 0) and np.all(np.isneginf(np.asarray(lse[live:])))
+    attrs = calls.attrs["jax_flash_ragged"]
+    assert int(attrs["window_right"]) == 0 and int(attrs["diagonal_by_lengths"]) == 1
+    assert [t for t, _ in calls] == ["jax_flash_ragged"] * 2
+
+
+def test_fp8_pools_through_the_kernel_path(monkeypatch):
+    fake_kernels.install(monkeypatch)
+    rng = rng_for("ragged-kernels-fp8")
+    queries, kp, vp, lengths, table, starts = step_problem(rng, [6, 1, 2], [20, 33, 2], 16, dtype=jnp.bfloat16, h=64)
+    (kq, ks), (vq, vs) = (jax_flash.quantize_kv(x, jnp.float8_e5m2) for x in (kp, vp))
+    out = jax_flash.ragged_paged_attention(queries, kq, vq, lengths, table, starts, key_scale=ks, value_scale=vs,
+                                           implementation="cuda")  # fmt: skip
+    ref, _ = step_reference(queries, kq, vq, lengths, table, starts, 3, scales=(ks, vs))
+    assert reference.rel_error(out, ref) < 1e-2
+
+
+def test_one_compiled_step_and_vmap_through_the_kernel_path(monkeypatch):
+    """The work list is made from arrays: one jitted step serves batches of other shapes of work;
+    under vmap the steps run one kernel call after another."""
+    fake_kernels.install(monkeypatch)
+    rng = rng_for("ragged-kernels-jit")
+    queries, kp, vp, lengths, table, _ = step_problem(rng, [5, 1, 1, 1], [10, 20, 30, 40], 16, dtype=jnp.bfloat16,
+                                                      spare_rows=0)  # fmt: skip
+    traces = []
+
+    @jax.jit
+    def step(queries, starts, num_seqs):
+        traces.append(1)
+        return jax_flash.ragged_paged_attention(queries, kp, vp, lengths, table, starts, num_seqs,
+                                                implementation="cuda")  # fmt: skip
+
+    all_starts = []
+    for q_lengths, num in (([5, 1, 1, 1], 4), ([2, 2, 2, 2], 4), ([8, 0, 0, 0], 1)):
+        starts = jnp.asarray(np.concatenate([[0], np.cumsum(q_lengths)]), jnp.int32)
+        ref, _ = step_reference(queries, kp, vp, lengths, table, starts, num)
+        assert reference.rel_error(step(queries, starts, jnp.int32(num)), ref) < 1e-2
+        all_starts.append((starts, ref))
+    assert len(traces) == 1
+    batched = jax.vmap(step, in_axes=(None, 0, None))(queries, jnp.stack([s for s, _ in all_starts[:2]]), jnp.int32(4))
+    for i in range(2):
+        assert reference.rel_error(batched[i], all_starts[i][1]) < 1e-2
+
+
+def test_calls_the_kernels_do_not_take(monkeypatch):
+    """Auto mode takes the xla path (no custom call), implementation="cuda" says why: head dims
+    without decode kernels, pages of no multiple of 16 tokens, float32 queries, the Turing family."""
+    calls = fake_kernels.record_calls(monkeypatch)
+    rng = rng_for("ragged-kernels-refused")
+    cases = [(dict(h=40), jnp.bfloat16, 16, "the ragged kernels take head dims"),
+             (dict(), jnp.bfloat16, 8, "pages of a multiple of 16"),
+             (dict(), jnp.float32, 16, "float16 or bfloat16 queries")]  # fmt: skip
+    for shape, dtype, page_size, why in cases:
+        args = step_problem(rng, [3, 1], [20, 9], page_size, dtype=dtype, **shape)
+        ref, _ = step_reference(*args, 2)
+        assert reference.rel_error(jax_flash.ragged_paged_attention(*args), ref) < 1e-2
+        with pytest.raises(ValueError, match=f"implementation=.cuda. cannot run ragged_paged_attention: .*{why}"):
+            jax_flash.ragged_paged_attention(*args, implementation="cuda")
+    monkeypatch.setattr(_plan, "family", lambda: _plan.Family.TURING)
+    with pytest.raises(ValueError, match="run from sm_80 on"):
+        jax_flash.ragged_paged_attention(*step_problem(rng, [2], [5], 16, dtype=jnp.float16), implementation="cuda")
+    assert not calls
+
+
+def test_without_the_extension_cuda_says_why():
+    rng = rng_for("ragged-kernels-cpu")
+    args = step_problem(rng, [3], [5], 16, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="implementation='cuda' cannot run ragged_paged_attention: "):
+        jax_flash.ragged_paged_attention(*args, implementation="cuda")
