@@ -130,8 +130,7 @@ def kernel_plan(of: Family, query_shape: tuple, kv_heads: int, value_dim: int, b
     take; `bias_or_2d_mask`: a bias, or a mask that varies along both queries and keys;
     `beyond_key_lengths`: any mask but key lengths (the decode kernels take key lengths alone);
     `traits`: what the tile rules read."""
-    forward = forward_head_dims(of, query_shape, kv_heads, value_dim, bias_or_2d_mask, beyond_key_lengths)
-    decode = runs_decode(of, tuple(query_shape[:3]) + (forward[0],), kv_heads, forward[1], beyond_key_lengths)
+    forward, decode = forward_plan(of, query_shape, kv_heads, value_dim, bias_or_2d_mask, beyond_key_lengths)
     backward = backward_plan(of, *forward, bias_or_2d_mask)
     tiles = Tiles.USUAL if decode else forward_tiles(of, forward, query_shape[1], traits)
     return KernelPlan(of, forward, decode, *backward, tiles, backward_tiles(of, backward[0], traits))
@@ -143,25 +142,25 @@ def backward_plan(of: Family, head_dim: int, value_dim: int, bias_or_mask: bool)
     return dims, dims is not None and backward_kernels_fit(of, dims[0])
 
 
-def forward_head_dims(of: Family, query_shape: tuple, kv_heads: int, value_dim: int, bias_or_2d_mask: bool,
-                      beyond_key_lengths: bool) -> tuple[int, int]:  # fmt: skip
-    """The (query/key, value) head dims of the forward kernel for a call of `query_shape` [B, T, N,
-    H] and `value_dim`, each side zero-padded up to them: a pair with a kernel of its own (Hopper's,
-    FWD_SM90_UNEQUAL_HEAD_DIMS) where V is narrower, there is no bias or 2-d mask and the call is
-    not one for the decode kernels (which, at the wider dim, read the cache faster); else the
-    widest's for both."""
+def forward_plan(of: Family, query_shape: tuple, kv_heads: int, value_dim: int, bias_or_2d_mask: bool,
+                 beyond_key_lengths: bool) -> tuple[tuple[int, int], bool]:  # fmt: skip
+    """((query/key, value) head dims of the forward kernel, whether the decode kernels run it) for a
+    call of `query_shape` [B, T, N, H] and `value_dim`, each side zero-padded up to the dims: the
+    widest's for both, except a pair with a kernel of its own (Hopper's, FWD_SM90_UNEQUAL_HEAD_DIMS)
+    where V is narrower, there is no bias or 2-d mask and the call is not one for the decode
+    kernels (which, at the wider dim, read the cache faster)."""
     head_dim = query_shape[-1]
     widest = max(head_dim, value_dim)
     if of is Family.TURING:
         padded = kernel_head_dim(widest, _contract.FWD_SM75_HEAD_DIMS)
-        return padded, padded
+        return (padded, padded), False
     padded = kernel_head_dim(widest, _contract.FWD_HEAD_DIMS + _contract.FWD_SM90_WIDE_HEAD_DIMS)
-    if value_dim < head_dim and of is Family.HOPPER and not bias_or_2d_mask:
-        decode = runs_decode(of, tuple(query_shape[:3]) + (padded,), kv_heads, padded, beyond_key_lengths)
+    decode = runs_decode(of, tuple(query_shape[:3]) + (padded,), kv_heads, padded, beyond_key_lengths)
+    if value_dim < head_dim and of is Family.HOPPER and not bias_or_2d_mask and not decode:
         pair = (kernel_head_dim(head_dim), kernel_head_dim(value_dim))
-        if not decode and pair in _contract.FWD_SM90_UNEQUAL_HEAD_DIMS:
-            return pair
-    return padded, padded
+        if pair in _contract.FWD_SM90_UNEQUAL_HEAD_DIMS:
+            return pair, False
+    return (padded, padded), decode
 
 
 def backward_head_dims(of: Family, head_dim: int, value_dim: int, bias_or_mask: bool) -> tuple[int, int] | None:

@@ -83,8 +83,11 @@ def test_an_unknown_family_is_refused_by_name(monkeypatch):
 )
 def test_forward_head_dims_are_decided_once_from_the_call(family, query_shape, value_dim, bias_or_2d_mask,
                                                           beyond_key_lengths, expected):  # fmt: skip
-    got = _plan.forward_head_dims(family, query_shape, 2, value_dim, bias_or_2d_mask, beyond_key_lengths)
-    assert got == expected
+    dims, decode = _plan.forward_plan(family, query_shape, 2, value_dim, bias_or_2d_mask, beyond_key_lengths)
+    assert dims == expected
+    # The decode kernels take one query of equal dims, key lengths alone, from sm_80 on.
+    assert decode == (query_shape[1] == 1 and dims[0] == dims[1] and not beyond_key_lengths
+                      and family is not Family.TURING)
 
 
 Tiles, Traits = _plan.Tiles, _plan.TileTraits
