@@ -67,6 +67,7 @@ TILES = {
     "STEPS_OF_80": (3, "Hopper backward, head dim 128: 80-query steps"),
     "COMPACT": (4, "mma.sync backward: the compact tiles, for GPUs whose shared memory the usual ones exceed"),
 }
+assert sorted(value for value, _ in TILES.values()) == list(range(len(TILES))), "Tiles are 0 .. n - 1"
 # The launchers that take a Tiles argument (the others have one tile shape: USUAL).
 TAKES_TILES = ("run_fwd_sm90", "run_bwd_sm90", "run_bwd_sm80")
 # The int32 fields of one segment-chunk summary (jax_flash/_masks.py writes them, mask.cuh reads).
@@ -147,7 +148,7 @@ def contract_header() -> str:
     lines += ["", "// The launchers' tile shapes that depend on the call (jax_flash/_plan.py picks one).",
               "enum class Tiles : int {"]
     lines += [f"  {_camel(name)} = {value},  // {meaning}" for name, (value, meaning) in TILES.items()]
-    lines += ["};"]
+    lines += ["};", "// Tiles' values are 0 .. kTilesCount - 1.", f"inline constexpr int kTilesCount = {len(TILES)};"]
     lines += ["", "// One segment-chunk summary (jax_flash/_masks.py writes them, common/mask.cuh reads them).",
               f"struct MaskChunk {{", f"  int {', '.join(MASK_CHUNK_FIELDS)};", "};",
               f"inline constexpr int kMaskChunkFields = {len(MASK_CHUNK_FIELDS)};",

@@ -224,9 +224,9 @@ ffi::Error launch_status(cudaError_t status, const char* what) {
 template <typename Run>
 ffi::Error launch_plan(int32_t family, int32_t tiles, const char* what, Run&& run) {
   if (ffi::Error e = check_kernel_family(family); e.failure()) return e;
-  if (tiles < int32_t(Tiles::kUsual) || tiles > int32_t(Tiles::kCompact)) {
-    return ffi::Error::InvalidArgument("jax_flash: tiles must be one of contract.h's Tiles (0-4), got " +
-                                       std::to_string(tiles));
+  if (tiles < 0 || tiles >= contract::kTilesCount) {
+    return ffi::Error::InvalidArgument("jax_flash: tiles must be one of contract.h's Tiles (0-" +
+                                       std::to_string(contract::kTilesCount - 1) + "), got " + std::to_string(tiles));
   }
   const cudaError_t status = run(KernelFamily(family), Tiles(tiles));
   if (status == cudaErrorInvalidValue || status == cudaErrorInvalidConfiguration) {

@@ -64,6 +64,8 @@ enum class Tiles : int {
   kStepsOf80 = 3,  // Hopper backward, head dim 128: 80-query steps
   kCompact = 4,  // mma.sync backward: the compact tiles, for GPUs whose shared memory the usual ones exceed
 };
+// Tiles' values are 0 .. kTilesCount - 1.
+inline constexpr int kTilesCount = 5;
 
 // One segment-chunk summary (jax_flash/_masks.py writes them, common/mask.cuh reads them).
 struct MaskChunk {
