@@ -328,6 +328,31 @@ ffi::Error bwd_impl(JAX_FLASH_BWD_PARAMS) {
 }
 
 
+// The split-KV kernels' outputs: o and lse, and with several splits the scratch of each split's
+// part, float32 [splits, rows of o (B x T x N), H] and [splits, rows of o].
+ffi::Error fill_split_outputs(ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                              ffi::Result<ffi::Buffer<ffi::F32>> o_partial, ffi::Result<ffi::Buffer<ffi::F32>> lse_partial,
+                              int32_t splits, DecodeParams* p) {
+  if (splits < 1 || splits > kMaxDecodeSplits) {
+    return ffi::Error::InvalidArgument("jax_flash: splits must be in [1, " + std::to_string(kMaxDecodeSplits) +
+                                       "], got " + std::to_string(splits));
+  }
+  const int64_t rows = int64_t(p->batch) * p->seqlen_q * p->heads;
+  if (splits > 1 && (int64_t(o_partial->element_count()) != splits * rows * p->head_dim ||
+                     int64_t(lse_partial->element_count()) != splits * rows)) {
+    return ffi::Error::InvalidArgument("jax_flash: the split scratch must be [splits, o's rows, H] and [splits, o's "
+                                       "rows] (" + std::to_string(rows) + " rows), got " +
+                                       shape_string(o_partial->dimensions()) + " and " +
+                                       shape_string(lse_partial->dimensions()));
+  }
+  p->o = o->untyped_data();
+  p->lse = lse->typed_data();
+  p->splits = splits;
+  p->o_partial = o_partial->typed_data();
+  p->lse_partial = lse_partial->typed_data();
+  return ffi::Error::Success();
+}
+
 // Decode: q [B, T, N, H] against a dense cache k, v [B, S, K, H] or, with a page table
 // [B, max_pages], a pool of pages [P, page_size, K, H]; the split scratch [splits, B, T, N, H] and
 // [splits, B, T, N] float32 (each empty with one split).
@@ -384,22 +409,7 @@ ffi::Error decode_impl(JAX_FLASH_DECODE_PARAMS) {
     p.kv_lengths = kv_lengths.typed_data();
   }
   if (ffi::Error e = fill_sinks(sinks, &p); e.failure()) return e;
-  p.o = o->untyped_data();
-  p.lse = lse->typed_data();
-  p.splits = splits;
-  const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads;
-  if (splits < 1 || splits > kMaxDecodeSplits) {
-    return ffi::Error::InvalidArgument("jax_flash: splits must be in [1, " + std::to_string(kMaxDecodeSplits) +
-                                       "], got " + std::to_string(splits));
-  }
-  if (splits > 1 && (int64_t(o_partial->element_count()) != splits * rows * p.head_dim ||
-                     int64_t(lse_partial->element_count()) != splits * rows)) {
-    return ffi::Error::InvalidArgument("jax_flash: the split scratch must be [splits, B, T, N, H] and [splits, B, T, N], got " +
-                                       shape_string(o_partial->dimensions()) + " and " +
-                                       shape_string(lse_partial->dimensions()));
-  }
-  p.o_partial = o_partial->typed_data();
-  p.lse_partial = lse_partial->typed_data();
+  if (ffi::Error e = fill_split_outputs(o, lse, o_partial, lse_partial, splits, &p); e.failure()) return e;
   return launch_status(run_decode(dtype, kv_dtype, p, stream), "decode");
 }
 
@@ -471,22 +481,7 @@ ffi::Error ragged_impl(JAX_FLASH_RAGGED_PARAMS) {
     p.sinks = sinks.typed_data();
   }
   if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, diagonal_by_lengths, &p); e.failure()) return e;
-  p.o = o->untyped_data();
-  p.lse = lse->typed_data();
-  p.splits = splits;
-  const int64_t rows = int64_t(p.seqlen_q) * p.heads;
-  if (splits < 1 || splits > kMaxDecodeSplits) {
-    return ffi::Error::InvalidArgument("jax_flash: splits must be in [1, " + std::to_string(kMaxDecodeSplits) +
-                                       "], got " + std::to_string(splits));
-  }
-  if (splits > 1 && (int64_t(o_partial->element_count()) != splits * rows * p.head_dim ||
-                     int64_t(lse_partial->element_count()) != splits * rows)) {
-    return ffi::Error::InvalidArgument("jax_flash: the split scratch must be [splits, Q, N, H] and [splits, Q, N], got " +
-                                       shape_string(o_partial->dimensions()) + " and " +
-                                       shape_string(lse_partial->dimensions()));
-  }
-  p.o_partial = o_partial->typed_data();
-  p.lse_partial = lse_partial->typed_data();
+  if (ffi::Error e = fill_split_outputs(o, lse, o_partial, lse_partial, splits, &p); e.failure()) return e;
   return launch_status(run_decode(dtype, kv_dtype, p, stream), "ragged");
 }
 
