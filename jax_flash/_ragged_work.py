@@ -5,7 +5,7 @@ chunk its own tiles, never a tile of another sequence's padding.
 
 It is made on the device, from the query starts and `num_seqs` (arrays: one compiled step serves
 every batch), by a few XLA ops ahead of the kernel: no host synchronisation, a fixed number of
-launches. Its length is static: a bound on the tiles of any batch of the step's shapes; the
+launches (no loop: _search.py). Its length is static: a bound on the tiles of any batch of the step's shapes; the
 items past a batch's tiles name no sequence, and their CTAs exit at once.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_flash import _contract
+from jax_flash import _contract, _search
 
 TILE_ROWS = _contract.DECODE_TILE_ROWS
 FIELDS = _contract.RAGGED_WORK_FIELDS  # sequence (-1: none), first packed row, first query row, queries
@@ -35,7 +35,7 @@ def work_list(query_starts, num_seqs, group: int, items: int):
     tiles = (queries * group + TILE_ROWS - 1) // TILE_ROWS
     ends = jnp.cumsum(tiles)
     item = jnp.arange(items, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, item, side="right"), sequences - 1).astype(jnp.int32)
+    seq = jnp.minimum(_search.searchsorted(ends, item), sequences - 1)
     first_row = (item - (ends[seq] - tiles[seq])) * TILE_ROWS
     fields = (jnp.where(item < ends[-1], seq, -1), first_row, query_starts[seq], queries[seq])
     return jnp.stack(fields, axis=-1).astype(jnp.int32)

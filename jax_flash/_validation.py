@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_flash import _search
+
 IMPLEMENTATIONS = (None, "xla", "cuda")
 # The largest soft cap: caps are applied in float32, where softcap * tanh(x / softcap) equals x to
 # rounding for every |x| << softcap, and a cap near float32's maximum overflows.
@@ -204,7 +206,7 @@ def _segments_as_int32(q_seg: jax.Array, kv_seg: jax.Array) -> tuple[jax.Array, 
     wide = jnp.promote_types(q_seg.dtype, kv_seg.dtype)
     q_seg, kv_seg = q_seg.astype(wide), kv_seg.astype(wide)
     ids = jnp.sort(jnp.concatenate([q_seg, kv_seg], axis=1), axis=1)
-    rank = jax.vmap(lambda row, x: jnp.searchsorted(row, x).astype(jnp.int32))
+    rank = jax.vmap(lambda row, x: _search.searchsorted(row, x, side="left"))
     return rank(ids, q_seg), rank(ids, kv_seg)
 
 

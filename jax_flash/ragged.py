@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _fp8, _sinks, cuda_impl
+from jax_flash import _fp8, _search, _sinks, cuda_impl
 from jax_flash._validation import (INPUT_DTYPES, _as_array, _check_window, as_clamped_int32, check_scale, check_softcap,
                                    check_starts)
 
@@ -131,7 +131,7 @@ def rows_of_starts(query_starts, num_seqs, q_rows: int):
     """Each query row's (sequence, or -1 for padding; its index among the sequence's queries; the
     sequence's query count) from valid query starts."""
     rows = jnp.arange(q_rows, dtype=jnp.int32)
-    seq = jnp.searchsorted(query_starts[1:], rows, side="right").astype(jnp.int32)
+    seq = _search.searchsorted(query_starts[1:], rows)
     valid = (rows < query_starts[num_seqs]) & (seq < num_seqs)
     seq = jnp.minimum(seq, query_starts.shape[0] - 2)
     start = query_starts[seq]

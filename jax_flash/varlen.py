@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_flash import _search
 from jax_flash._validation import _as_array, check_starts
 from jax_flash.attention import attention
 
@@ -33,7 +34,7 @@ def _same_starts(query_starts, key_starts) -> bool:
 def _segments(starts: jax.Array, length: int, padding: int) -> jax.Array:
     """Each packed row's sequence [length]: i for rows starts[i]:starts[i + 1], `padding` past starts[S]."""
     rows = jnp.arange(length, dtype=jnp.int32)
-    seq = jnp.searchsorted(starts[1:], rows, side="right").astype(jnp.int32)
+    seq = _search.searchsorted(starts[1:], rows)
     return jnp.where(rows < starts[-1], seq, padding)
 
 

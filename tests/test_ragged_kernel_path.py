@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _plan, _ragged_work
+from jax_flash import _plan, _ragged_work, _search
 from tests import fake_kernels, reference
 from tests.cases import rng_for
 from tests.test_ragged import step_problem, step_reference
@@ -32,10 +32,14 @@ def _covered(work, q_rows, group):
     return count, seq_of_row
 
 
+@pytest.mark.parametrize("compare_all", [True, False])
 @pytest.mark.parametrize("group", [1, 3, 4, 16])
-def test_the_work_list_covers_each_row_once(group):
+def test_the_work_list_covers_each_row_once(monkeypatch, group, compare_all):
     """Random steps (empty sequences, prefills, decodes, padding past num_seqs), and the one that
-    fills the bound (every sequence one row past a whole tile)."""
+    fills the bound (every sequence one row past a whole tile); each sequence found by comparing
+    every pair, and by a sort."""
+    if not compare_all:
+        monkeypatch.setattr(_search, "COMPARE_ALL_LIMIT", 0)
     rng = np.random.default_rng(group)
     worst = [TILE // group + 1 if group < TILE else 1] * 7
     for q_lengths in [list(rng.integers(0, 40, size=9)), [0, 0, 0], [1] * 12, worst, [63, 0, 1, 2, 17]]:
@@ -57,6 +61,17 @@ def test_the_work_list_covers_each_row_once(group):
     worst_starts = jnp.asarray(np.concatenate([[0], np.cumsum(worst)]), jnp.int32)
     bound = _ragged_work.items_bound(int(worst_starts[-1]), len(worst), group)
     assert sum(-(-q * group // TILE) for q in worst) <= bound
+
+
+@pytest.mark.parametrize("compare_all", [True, False])
+def test_the_work_list_is_made_without_a_loop(monkeypatch, compare_all):
+    """No while loop in its program: on a GPU each trip of one waits on the host (no CUDA graph,
+    0.5 ms a step)."""
+    if not compare_all:
+        monkeypatch.setattr(_search, "COMPARE_ALL_LIMIT", 0)
+    text = jax.jit(lambda s, n: _ragged_work.work_list(s, n, 4, 40)).lower(jnp.zeros((9,), jnp.int32),
+                                                                           jnp.int32(8)).as_text()  # fmt: skip
+    assert "while" not in text
 
 
 CASES = {"plain": {}, "window": {"local_window_size": 9}, "softcap": {"softcap": 4.0}, "sinks": {"sinks": True}}
