@@ -262,6 +262,8 @@ def ragged_paged_attention(queries, key_pages, value_pages, kv_lengths, page_ind
     kernels over its work list; arguments validated (ragged._check). Rows past the batch's
     sequences give 0 (lse -inf) whatever the kernels left there."""
     q_rows, n, _ = queries.shape
+    if q_rows == 0:  # nothing to launch (an empty grid is a launch error)
+        return jnp.zeros(queries.shape, queries.dtype), jnp.zeros((0, n), jnp.float32)
     group = n // key_pages.shape[2]
     items = _ragged_work.items_bound(q_rows, page_indices.shape[0], group)
     work = _ragged_work.work_list(query_starts, num_seqs, group, items)

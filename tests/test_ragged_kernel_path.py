@@ -167,3 +167,13 @@ def test_without_the_extension_cuda_says_why():
     args = step_problem(rng, [3], [5], 16, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="implementation='cuda' cannot run ragged_paged_attention: "):
         jax_flash.ragged_paged_attention(*args, implementation="cuda")
+
+
+def test_a_step_without_queries(monkeypatch):
+    """Q = 0 launches nothing: empty results of the right shapes."""
+    calls = fake_kernels.record_calls(monkeypatch)
+    rng = rng_for("ragged-kernels-empty")
+    queries, kp, vp, lengths, table, _ = step_problem(rng, [2], [5], 16, dtype=jnp.bfloat16)
+    out, lse = jax_flash.ragged_paged_attention(queries[:0], kp, vp, lengths, table, jnp.zeros((2,), jnp.int32),
+                                                return_residual=True, implementation="cuda")  # fmt: skip
+    assert out.shape == (0,) + queries.shape[1:] and lse.shape == (0, queries.shape[1]) and not calls

@@ -92,9 +92,10 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   return run_split_kv<T, KvT, kHeadDim, kVariant, false>(p, stream);
 }
 
-// A ragged batch (DecodeParams::work): the same kernels over its work list. A ragged grid counts
-// the list's items, which bound the step's tiles (the items past its work exit at once), so the
-// one-CTA-an-SM choice may take the deeper rings' configuration for a step emptier than its shape.
+// A ragged batch (DecodeParams::work): the same kernels over its work list. Its grid counts the
+// list's items, a bound on the step's tiles (the items past its work exit at once), so for a step
+// emptier than its shapes the one-CTA-an-SM choice may take the two-stage configuration that a
+// grid of the live tiles alone would not.
 template <typename T, typename KvT, int kHeadDim, Variant kVariant>
 cudaError_t run_ragged(const DecodeParams& p, cudaStream_t stream) {
   if (p.work == nullptr) return cudaErrorInvalidValue;
