@@ -266,6 +266,14 @@ def forward(config, plan, q, k, v, masks: KernelMasks, bias, mask, sinks):
     return _partition.vary_like(folded(q, k, v, bias, mask, sinks, *masks), q, k, v)
 
 
+def _scale_operands(key_scale, value_scale, rows: int, kv_heads: int):
+    """The split-KV kernels' fp8 scale operands: each [K] scale as float32 [rows, K] (a row's own,
+    so that vmap and the batch split fold them with the rows), or [rows, 0] without fp8."""
+    if key_scale is None:
+        return [jnp.zeros((rows, 0), jnp.float32)] * 2
+    return [jnp.broadcast_to(s.astype(jnp.float32), (rows, kv_heads)) for s in (key_scale, value_scale)]
+
+
 def decode(config, q, k, v, kv_lengths, page_table, key_scale=None, value_scale=None, sinks=None):
     """(out [B, T, N, H], lse [B, N, T] float32) from the split-KV decode kernels: k, v a dense
     cache [B, S, K, H], or with a page table [B, max_pages] (else [B, 0]) a pool of pages
@@ -280,8 +288,7 @@ def decode(config, q, k, v, kv_lengths, page_table, key_scale=None, value_scale=
     paged = page_table.shape[1] > 0
     b, kv_heads = q.shape[0], k.shape[2]
     fp8 = key_scale is not None
-    scales = [jnp.broadcast_to(s.astype(jnp.float32), (b, kv_heads)) if fp8 else jnp.zeros((b, 0), jnp.float32)
-              for s in (key_scale, value_scale)]  # fmt: skip
+    scales = _scale_operands(key_scale, value_scale, b, kv_heads)
 
     def run(q, k, v, kv_lengths, page_table, key_scale, value_scale, sinks):
         def kernel(q, k, v, kv_lengths, page_table, key_scale, value_scale, sinks):
@@ -319,9 +326,7 @@ def ragged(config, q, k, v, kv_lengths, page_table, work, key_scale=None, value_
     register_targets()
     q_rows, n, h = q.shape
     sequences, kv_heads = page_table.shape[0], k.shape[2]
-    fp8 = key_scale is not None
-    scales = [jnp.broadcast_to(s.astype(jnp.float32), (sequences, kv_heads)) if fp8
-              else jnp.zeros((sequences, 0), jnp.float32) for s in (key_scale, value_scale)]  # fmt: skip
+    scales = _scale_operands(key_scale, value_scale, sequences, kv_heads)
     splits = _decode.splits_of_tiles(work.shape[0] * kv_heads, k.shape[1] * page_table.shape[1], h, paged=True,
                                      kv_bytes=k.dtype.itemsize)  # fmt: skip
     scratch = (splits, q_rows, n) if splits > 1 else (0,)

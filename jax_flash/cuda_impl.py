@@ -208,14 +208,20 @@ def paged_reason(call: Call, page_size: int) -> str | None:
     if reason is not None:
         return reason
     b, t, n, h = call.query.shape
-    if _plan.family() is Family.TURING:
-        return "the decode kernels run from sm_80 on (Turing gathers the pages and takes its forward kernels)"
     if not _decode.takes(b, t, n, call.key.shape[2], masks_beyond_key_lengths=False):
         return f"the decode kernels take at most {_decode.MAX_QUERIES} queries (and grids within CUDA's limits)"
+    return _pages_in_place_reason("decode", page_size, h, _contract.DECODE_HEAD_DIMS)
+
+
+def _pages_in_place_reason(kernels: str, page_size: int, head_dim: int, head_dims) -> str | None:
+    """Why the split-KV kernels (named `kernels` in the reason) cannot read pages of `page_size`
+    tokens at `head_dim` in place, or None: the rules paged and ragged calls share."""
+    if _plan.family() is Family.TURING:
+        return f"the {kernels} kernels run from sm_80 on (Turing gathers the pages and takes other kernels)"
     if page_size % _decode.BLOCK_KEYS:
-        return f"the decode kernels read pages of a multiple of {_decode.BLOCK_KEYS} tokens, got {page_size}"
-    if h not in _contract.DECODE_HEAD_DIMS:
-        return f"the decode kernels read head dims {_contract.DECODE_HEAD_DIMS} in place (others would copy the pool)"
+        return f"the {kernels} kernels read pages of a multiple of {_decode.BLOCK_KEYS} tokens, got {page_size}"
+    if head_dim not in head_dims:
+        return f"the {kernels} kernels read head dims {head_dims} in place (others would copy the pool), got {head_dim}"
     return None
 
 
@@ -237,8 +243,6 @@ def ragged_reason(queries, key_pages, sequences: int, scale: float) -> str | Non
     warn_if_kernels_missing()
     if (reason := install_reason()) is not None:
         return reason
-    if _plan.family() is Family.TURING:
-        return "the ragged kernels (the decode kernels) run from sm_80 on"
     if queries.dtype not in KERNEL_DTYPES:
         return f"the kernels take float16 or bfloat16 queries, got {queries.dtype}"
     if scale <= 0:
@@ -247,10 +251,8 @@ def ragged_reason(queries, key_pages, sequences: int, scale: float) -> str | Non
     _, page_size, kv_heads, _ = key_pages.shape
     fp8 = key_pages.dtype != queries.dtype
     dims = _contract.DECODE_FP8_HEAD_DIMS if fp8 else _contract.DECODE_HEAD_DIMS
-    if h not in dims:
-        return f"the ragged kernels take head dims {dims}{' over fp8 pages' if fp8 else ''}, got {h}"
-    if page_size % _decode.BLOCK_KEYS:
-        return f"the ragged kernels read pages of a multiple of {_decode.BLOCK_KEYS} tokens, got {page_size}"
+    if (reason := _pages_in_place_reason("ragged" + (" fp8" if fp8 else ""), page_size, h, dims)) is not None:
+        return reason
     if _ragged_work.items_bound(q_rows, sequences, n // kv_heads) > MAX_GRID_YZ or kv_heads > MAX_GRID_YZ:
         return f"the batch's work list (its query rows x query heads / {_decode.TILE_ROWS}) exceeds the CUDA grid"
     return None

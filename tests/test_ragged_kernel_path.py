@@ -147,7 +147,7 @@ def test_calls_the_kernels_do_not_take(monkeypatch):
     without decode kernels, pages of no multiple of 16 tokens, float32 queries, the Turing family."""
     calls = fake_kernels.record_calls(monkeypatch)
     rng = rng_for("ragged-kernels-refused")
-    cases = [(dict(h=40), jnp.bfloat16, 16, "the ragged kernels take head dims"),
+    cases = [(dict(h=40), jnp.bfloat16, 16, "the ragged kernels read head dims"),
              (dict(), jnp.bfloat16, 8, "pages of a multiple of 16"),
              (dict(), jnp.float32, 16, "float16 or bfloat16 queries")]  # fmt: skip
     for shape, dtype, page_size, why in cases:
