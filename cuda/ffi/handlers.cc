@@ -199,14 +199,33 @@ ffi::Error check_kernel_family(int32_t family) {
   return ffi::Error::Success();
 }
 
-// The sinks operand: [B, N] float32 (each batch row's query heads'), or empty for none.
-ffi::Error fill_sinks(const ffi::Buffer<ffi::F32>& sinks, FwdParams* p) {
+// The sinks operand: float32 [rows, N] (each batch row's, or a ragged batch's sequence's, query
+// heads'), or empty for none. `rows_name` names the rows in the error.
+ffi::Error fill_sinks(const ffi::Buffer<ffi::F32>& sinks, int64_t rows, const char* rows_name, FwdParams* p) {
   if (sinks.element_count() == 0) return ffi::Error::Success();
-  if (!has_shape(sinks, {p->batch, p->heads})) {
-    return ffi::Error::InvalidArgument("jax_flash: sinks must be [B, N] = [" + std::to_string(p->batch) + ", " +
-                                       std::to_string(p->heads) + "] or empty, got " + shape_string(sinks.dimensions()));
+  if (!has_shape(sinks, {rows, p->heads})) {
+    return ffi::Error::InvalidArgument(std::string("jax_flash: sinks must be [") + rows_name + ", N] = [" +
+                                       std::to_string(rows) + ", " + std::to_string(p->heads) + "] or empty, got " +
+                                       shape_string(sinks.dimensions()));
   }
   p->sinks = sinks.typed_data();
+  return ffi::Error::Success();
+}
+
+// The split-KV kernels' fp8 scales: float32 [rows, K] each over an fp8 cache, else [rows, 0].
+ffi::Error fill_fp8_scales(const ffi::Buffer<ffi::F32>& key_scale, const ffi::Buffer<ffi::F32>& value_scale,
+                           int64_t rows, const char* rows_name, bool fp8, DecodeParams* p) {
+  for (const auto* scale : {&key_scale, &value_scale}) {
+    if (!has_shape(*scale, {rows, fp8 ? p->kv_heads : 0})) {
+      return ffi::Error::InvalidArgument(std::string("jax_flash: key_scale and value_scale must be [") + rows_name +
+                                         ", K] over an fp8 cache, else [" + rows_name + ", 0], got " +
+                                         shape_string(scale->dimensions()));
+    }
+  }
+  if (fp8) {
+    p->key_scale = key_scale.typed_data();
+    p->value_scale = value_scale.typed_data();
+  }
   return ffi::Error::Success();
 }
 
@@ -249,7 +268,7 @@ ffi::Error fwd_impl(JAX_FLASH_FWD_PARAMS) {
   }
   if (ffi::Error e = fill_masks(seqlens, q_segments, kv_segments, q_chunks, kv_chunks, &p); e.failure()) return e;
   if (ffi::Error e = fill_bias(bias, mask, q.element_type(), &p); e.failure()) return e;
-  if (ffi::Error e = fill_sinks(sinks, &p); e.failure()) return e;
+  if (ffi::Error e = fill_sinks(sinks, p.batch, "B", &p); e.failure()) return e;
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
   const int64_t scratch_size = FwdScratch::size_for(p.batch, p.seqlen_q, p.heads);
@@ -382,21 +401,10 @@ ffi::Error decode_impl(JAX_FLASH_DECODE_PARAMS) {
   if (kv_dtype != dtype && !fp8) {
     return ffi::Error::InvalidArgument("jax_flash: the decode kernels take k and v in q's dtype or in fp8");
   }
-  if (fp8) {
-    if (!contract::decode_fp8_supports_head_dim(static_cast<int>(qd[3]))) {
-      return ffi::Error::InvalidArgument("jax_flash: no fp8 decode kernel for head dim " + std::to_string(qd[3]));
-    }
-    for (const auto* scale : {&key_scale, &value_scale}) {
-      if (!has_shape(*scale, {p.batch, p.kv_heads})) {
-        return ffi::Error::InvalidArgument("jax_flash: an fp8 cache's key_scale and value_scale must be [B, K], got " +
-                                           shape_string(scale->dimensions()));
-      }
-    }
-    p.key_scale = key_scale.typed_data();
-    p.value_scale = value_scale.typed_data();
-  } else if (key_scale.element_count() > 0 || value_scale.element_count() > 0) {
-    return ffi::Error::InvalidArgument("jax_flash: key_scale and value_scale are for fp8 caches");
+  if (fp8 && !contract::decode_fp8_supports_head_dim(static_cast<int>(qd[3]))) {
+    return ffi::Error::InvalidArgument("jax_flash: no fp8 decode kernel for head dim " + std::to_string(qd[3]));
   }
+  if (ffi::Error e = fill_fp8_scales(key_scale, value_scale, p.batch, "B", fp8, &p); e.failure()) return e;
   if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, diagonal_by_lengths, &p); e.failure()) return e;
   if (!contract::decode_supports_head_dim(p.head_dim)) {
     return ffi::Error::InvalidArgument("jax_flash: no decode kernel for head dim " + std::to_string(p.head_dim));
@@ -408,7 +416,7 @@ ffi::Error decode_impl(JAX_FLASH_DECODE_PARAMS) {
     }
     p.kv_lengths = kv_lengths.typed_data();
   }
-  if (ffi::Error e = fill_sinks(sinks, &p); e.failure()) return e;
+  if (ffi::Error e = fill_sinks(sinks, p.batch, "B", &p); e.failure()) return e;
   if (ffi::Error e = fill_split_outputs(o, lse, o_partial, lse_partial, splits, &p); e.failure()) return e;
   return launch_status(run_decode(dtype, kv_dtype, p, stream), "decode");
 }
@@ -463,23 +471,8 @@ ffi::Error ragged_impl(JAX_FLASH_RAGGED_PARAMS) {
     return ffi::Error::InvalidArgument("jax_flash: no ragged kernel for head dim " + std::to_string(p.head_dim) +
                                        (fp8 ? " over fp8 pages" : ""));
   }
-  for (const auto* scale : {&key_scale, &value_scale}) {
-    if (!has_shape(*scale, {sequences, fp8 ? p.kv_heads : 0})) {
-      return ffi::Error::InvalidArgument("jax_flash: key_scale and value_scale must be [S, K] with fp8 pages, else "
-                                         "[S, 0], got " + shape_string(scale->dimensions()));
-    }
-  }
-  if (fp8) {
-    p.key_scale = key_scale.typed_data();
-    p.value_scale = value_scale.typed_data();
-  }
-  if (sinks.element_count() > 0) {
-    if (!has_shape(sinks, {sequences, p.heads})) {
-      return ffi::Error::InvalidArgument("jax_flash: ragged sinks must be [S, N] or empty, got " +
-                                         shape_string(sinks.dimensions()));
-    }
-    p.sinks = sinks.typed_data();
-  }
+  if (ffi::Error e = fill_fp8_scales(key_scale, value_scale, sequences, "S", fp8, &p); e.failure()) return e;
+  if (ffi::Error e = fill_sinks(sinks, sequences, "S", &p); e.failure()) return e;
   if (ffi::Error e = fill_attributes(scale, softcap, window_left, window_right, diagonal_by_lengths, &p); e.failure()) return e;
   if (ffi::Error e = fill_split_outputs(o, lse, o_partial, lse_partial, splits, &p); e.failure()) return e;
   return launch_status(run_decode(dtype, kv_dtype, p, stream), "ragged");
