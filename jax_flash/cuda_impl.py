@@ -217,11 +217,11 @@ def _pages_in_place_reason(kernels: str, page_size: int, head_dim: int, head_dim
     """Why the split-KV kernels (named `kernels` in the reason) cannot read pages of `page_size`
     tokens at `head_dim` in place, or None: the rules paged and ragged calls share."""
     if _plan.family() is Family.TURING:
-        return f"the {kernels} kernels run from sm_80 on (Turing gathers the pages and takes other kernels)"
+        return f"the {kernels} kernels run from sm_80 on"
     if page_size % _decode.BLOCK_KEYS:
         return f"the {kernels} kernels read pages of a multiple of {_decode.BLOCK_KEYS} tokens, got {page_size}"
     if head_dim not in head_dims:
-        return f"the {kernels} kernels read head dims {head_dims} in place (others would copy the pool), got {head_dim}"
+        return f"the {kernels} kernels read head dims {head_dims}, got {head_dim}"
     return None
 
 
