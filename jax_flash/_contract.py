@@ -23,6 +23,7 @@ DECODE_TILE_ROWS = 16  # packed query rows of one decode CTA (one m16 tile)
 DECODE_BLOCK_KEYS = 16  # keys a decode warp reads a step; pages are whole multiples of it
 MAX_DECODE_SPLITS = 128  # splits of a decode tile's keys, at most
 RAGGED_WORK_FIELDS = 4  # int32 fields of a ragged work item: sequence, first packed row, first query row, queries
+PREFILL_BLOCK_ROWS = 128  # queries of one prefill item of a ragged batch (its fields: sequence, first query, first query row, queries)
 DQ_COUNTER_ROWS = 32  # query rows per dQ turn or ticket counter: at most the smallest query block
 
 MASK_CHUNK_FIELDS = ('segment_min', 'segment_max', 'other_begin', 'other_end', 'one_begin', 'one_end')

@@ -55,6 +55,8 @@ CONSTANTS = {
     "DECODE_BLOCK_KEYS": (16, "keys a decode warp reads a step; pages are whole multiples of it"),
     "MAX_DECODE_SPLITS": (128, "splits of a decode tile's keys, at most"),
     "RAGGED_WORK_FIELDS": (4, "int32 fields of a ragged work item: sequence, first packed row, first query row, queries"),
+    "PREFILL_BLOCK_ROWS": (128, "queries of one prefill item of a ragged batch (its fields: sequence, first query, "
+                           "first query row, queries)"),
     "DQ_COUNTER_ROWS": (32, "query rows per dQ turn or ticket counter: at most the smallest query block"),
 }
 # The launchers' tile shapes that depend on the call (Tiles in contract.h, TILES in _contract.py):

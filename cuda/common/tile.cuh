@@ -126,4 +126,25 @@ __device__ __forceinline__ void load_tile(uint32_t smem, const T* gmem, int64_t 
   }
 }
 
+// Copy `rows_valid` rows of a tile whose rows lie anywhere (a page table's keys): row r from
+// gmem + row_offset(r) (elements), rows past rows_valid zero-filled, with cp.async (no commit).
+// One row address a copy, in a loop kept rolled so that the lookups do not stay in registers
+// across the caller's main loop.
+template <typename Tile, int kThreads, typename T, typename RowOffset>
+__device__ __forceinline__ void load_tile_rows(uint32_t smem, const T* gmem, const RowOffset& row_offset,
+                                               int rows_valid, int tid) {
+  static_assert(sizeof(T) == Tile::kElemBytes, "the tile holds the global tile's elements");
+  constexpr int kTotal = Tile::kRows * Tile::kChunks;
+  constexpr int kIterations = (kTotal + kThreads - 1) / kThreads;
+#pragma unroll 1
+  for (int it = 0; it < kIterations; ++it) {
+    const int i = tid + it * kThreads;
+    if (kTotal % kThreads != 0 && i >= kTotal) break;
+    const int row = i / Tile::kChunks, chunk = i % Tile::kChunks;
+    const bool valid = row < rows_valid;
+    const T* src = valid ? gmem + row_offset(row) + chunk * Tile::kChunkElems : gmem;
+    ptx::copy_16<Isa::kSm80>(smem + Tile::offset(row, chunk), src, valid);
+  }
+}
+
 }  // namespace jax_flash

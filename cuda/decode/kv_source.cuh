@@ -26,7 +26,7 @@ struct KvSource {
             row_stride};
   }
 
-  // Element offset of key `key` (a multiple of kDecodeBlockKeys, so its block stays in one page).
+  // Element offset of key `key` (from a multiple of kDecodeBlockKeys, a block stays in one page).
   // Page indices outside the pool are clamped into it: a bad index reads a wrong page, never
   // memory outside the pool.
   __device__ __forceinline__ int64_t offset(int key) const {

@@ -17,6 +17,8 @@ constexpr int kMaxDecodeSplits = contract::kMaxDecodeSplits;
 constexpr int kDecodeTileRows = contract::kDecodeTileRows;
 // Keys a warp reads per step; pages are whole multiples of it, so that no step spans two pages.
 constexpr int kDecodeBlockKeys = contract::kDecodeBlockKeys;
+// Queries of one prefill item of a ragged batch (DecodeParams::prefill_work).
+constexpr int kPrefillBlockRows = contract::kPrefillBlockRows;
 
 // 16-row tiles of one kv head's packed rows (its queries x query heads); the grid's y runs over
 // kv heads x these.
@@ -51,6 +53,13 @@ struct DecodeParams : FwdParams {
   // lengths, scales and sinks have a row per sequence. Last: the dense kernels keep their layout.
   const int* work;
   int work_items;
+  // A ragged batch's prefill list (nullptr: none): int32 [prefill_items, 4], kPrefillBlockRows
+  // queries of one sequence each, which the forward kernels' tiles take instead of the split
+  // kernels (sm80::fwd_kernel with kRagged): (sequence, or -1 for no work; the item's first query
+  // within the sequence; the sequence's first row of q; its query count). Its sequences have no
+  // item in `work`.
+  const int* prefill_work;
+  int prefill_items;
 };
 
 }  // namespace jax_flash

@@ -22,6 +22,8 @@ inline constexpr int kDecodeBlockKeys = 16;
 inline constexpr int kMaxDecodeSplits = 128;
 // int32 fields of a ragged work item: sequence, first packed row, first query row, queries
 inline constexpr int kRaggedWorkFields = 4;
+// queries of one prefill item of a ragged batch (its fields: sequence, first query, first query row, queries)
+inline constexpr int kPrefillBlockRows = 128;
 // query rows per dQ turn or ticket counter: at most the smallest query block
 inline constexpr int kDqCounterRows = 32;
 

@@ -1,11 +1,13 @@
 // Launchers of the decode kernels for one (query and K/V element types, head dim, variant): the split kernel over
 // (splits, kv heads x row tiles, batch), or over a ragged batch's work list, and, with several splits, the combine
-// kernel after it.
+// kernel after it; a ragged batch's prefill items then on the mma.sync forward's tiles.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
 
 #include "common/grid.cuh"
 #include "decode/combine_kernel.cuh"
@@ -14,6 +16,8 @@
 #include "decode/split_kernel.cuh"
 #include "launch/allow_smem.h"
 #include "launch/device.h"
+#include "sm80/config.cuh"
+#include "sm80/fwd_kernel.cuh"
 
 namespace jax_flash {
 
@@ -92,14 +96,35 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   return run_split_kv<T, KvT, kHeadDim, kVariant, false>(p, stream);
 }
 
-// A ragged batch (DecodeParams::work): the same kernels over its work list. Its grid counts the
+// A ragged batch's prefill items (DecodeParams::prefill_work) on the mma.sync forward's tiles,
+// K and V read through the page table: a chunk of many queries reads each visible key once per
+// 64 queries of a head, where the split kernel's 16-row tiles read it once per 16 packed rows.
+template <typename T, int kHeadDim, Variant kVariant>
+cudaError_t launch_prefill(const DecodeParams& p, cudaStream_t stream) {
+  using Cfg = sm80::FwdConfig<T, kHeadDim, kVariant, Isa::kSm80, true>;
+  auto kernel = sm80::fwd_kernel<Cfg, kVariant, true>;
+  if (cudaError_t e = allow_smem(kernel, Cfg::kSmemBytes); e != cudaSuccess) return e;
+  const int64_t blocks = int64_t(p.prefill_items) * (kPrefillBlockRows / Cfg::kBlockM);
+  if (blocks > INT32_MAX || p.heads > kMaxGridYZ) return cudaErrorInvalidConfiguration;
+  kernel<<<dim3(unsigned(blocks), unsigned(p.heads)), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// A ragged batch (DecodeParams::work): the same kernels over its work list, then its prefill
+// items, if any (16-bit caches; last, as the combine writes every row). The split grid counts the
 // list's items, a bound on the step's tiles (the items past its work exit at once), so for a step
 // emptier than its shapes the one-CTA-an-SM choice may take the two-stage configuration that a
 // grid of the live tiles alone would not.
 template <typename T, typename KvT, int kHeadDim, Variant kVariant>
 cudaError_t run_ragged(const DecodeParams& p, cudaStream_t stream) {
   if (p.work == nullptr) return cudaErrorInvalidValue;
-  return run_split_kv<T, KvT, kHeadDim, kVariant, true>(p, stream);
+  if (cudaError_t e = run_split_kv<T, KvT, kHeadDim, kVariant, true>(p, stream); e != cudaSuccess) return e;
+  if (p.prefill_work == nullptr || p.prefill_items == 0) return cudaSuccess;
+  if constexpr (std::is_same_v<T, KvT>) {
+    return launch_prefill<T, kHeadDim, kVariant>(p, stream);
+  } else {
+    return cudaErrorInvalidValue;  // the handler refuses prefill items over fp8 pages
+  }
 }
 
 }  // namespace jax_flash

@@ -20,7 +20,10 @@ namespace jax_flash::sm80 {
 // Shared memory a block may take on Turing (sm_75, opt-in).
 inline constexpr int kTuringSmemBytes = 64 * 1024;
 
-template <typename T_, int kHeadDim_, Variant kVariant = Variant::kPlain, Isa kIsa_ = Isa::kSm80>
+// kPagedKeys: K and V through a page table (a ragged batch's prefill items), whose per-row
+// addresses take registers: one m16 tile a warp.
+template <typename T_, int kHeadDim_, Variant kVariant = Variant::kPlain, Isa kIsa_ = Isa::kSm80,
+          bool kPagedKeys = false>
 struct FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -36,7 +39,7 @@ struct FwdConfig {
   // barriers hide behind another's work (step 5).
   // Turing: one m16 tile, so that Q and two stages of K and V fit 64 KB.
   static constexpr int kWarpRows =
-      !kTuring && (kHeadDim <= 64 || (kHeadDim == 128 && kVariant == Variant::kPlain)) ? 32 : 16;
+      !kTuring && !kPagedKeys && (kHeadDim <= 64 || (kHeadDim == 128 && kVariant == Variant::kPlain)) ? 32 : 16;
   static constexpr int kWarps = 4;
   static constexpr int kBlockM = kWarps * kWarpRows;
   // S (rows x kBlockN fp32) and O share the register file, and two stages of K and V must leave

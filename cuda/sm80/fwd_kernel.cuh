@@ -9,10 +9,17 @@
 //
 // The pieces, in sm80/fwd/: products.cuh (S = Q K^T, O += P V), block_logits.cuh (cap and bias)
 // and epilogue.cuh (O and the log-sum-exp out); from common/: the band mask (fragment_mask.cuh)
-// and the online softmax (online_softmax.cuh, shared with the decode kernel).
+// and the online softmax (online_softmax.cuh, shared with the decode kernel); fwd/query_block.cuh
+// says which rows a CTA takes.
+//
+// With kRagged, the CTAs take the prefill items of a ragged batch (decode/params.h's
+// DecodeParams::prefill_work) and read K and V through its page table: a sequence's queries are
+// the last of its keys (the band's diagonal from its lengths), its sinks and lengths a row per
+// sequence, q and o [Q, N, H], lse [N, Q].
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "common/bias.cuh"
 #include "common/fragment_mask.cuh"
@@ -23,16 +30,20 @@
 #include "common/params.h"
 #include "common/ptx.cuh"
 #include "common/tile.cuh"
+#include "decode/kv_source.cuh"
+#include "decode/params.h"
 #include "sm80/fwd/block_logits.cuh"
 #include "sm80/fwd/epilogue.cuh"
 #include "sm80/fwd/products.cuh"
+#include "sm80/fwd/query_block.cuh"
 #include "sm80/config.cuh"
 
 namespace jax_flash::sm80 {
 
 // kVariant (params.h): which of the masks (mask.cuh, bias.cuh) and the soft cap (logits.cuh) are read.
-template <typename Cfg, Variant kVariant>
-__global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
+template <typename Cfg, Variant kVariant, bool kRagged = false>
+__global__ void __launch_bounds__(Cfg::kThreads)
+    fwd_kernel(const std::conditional_t<kRagged, DecodeParams, FwdParams> p) {
   using T = typename Cfg::T;
   using QTile = typename Cfg::QTile;
   using KTile = typename Cfg::KTile;
@@ -43,31 +54,56 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
   constexpr int kKSteps = kHeadDim / 16;  // k16 steps of Q K^T
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool kMasked = kVariant != Variant::kPlain, kBias = kVariant == Variant::kEverything;
+  static_assert(!kRagged || (kMasked && !kBias), "a ragged batch's band is its lengths'; no bias");
 
   extern __shared__ __align__(128) char smem[];
   const uint32_t sQ = ptx::smem_addr(smem);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  // Longest rows first: with a causal band the last query blocks have the most keys.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int batch = batch_head_index() / p.heads, head = batch_head_index() % p.heads;
+  QueryBlock block;
+  if constexpr (kRagged) {
+    block = QueryBlock::ragged<kBlockM>(p);
+    if (block.batch < 0 || block.q_first >= block.queries) return;  // past the step's prefill work
+  } else {
+    block = QueryBlock::dense<kBlockM>(p);
+  }
+  const int batch = block.batch, head = block.head;
   const int kv_head = head / (p.heads / p.kv_heads);
-  const int q_first = m_block * kBlockM;
-  const int rows_valid = min(kBlockM, p.seqlen_q - q_first);
-  const Band band = Band::from<kMasked>(p, batch);
+  const int q_first = block.q_first;
+  const int rows_valid = min(kBlockM, block.queries - q_first);
+  const Band band = [&] {
+    if constexpr (kRagged) {
+      const int kv_length = min(max(__ldg(p.kv_lengths + batch), 0), p.seqlen_k);
+      return Band::with_lengths<true>(p, batch, block.queries, kv_length).without_segments();
+    } else {
+      return Band::from<kMasked>(p, batch);
+    }
+  }();
   const auto logits = Logits<cap_of(kVariant)>::from(p);
   const LogitBias<T> bias = kBias ? LogitBias<T>::from(p, batch, head, logits.unit) : LogitBias<T>{};
 
   const int64_t q_row_stride = int64_t(p.heads) * kHeadDim;
   const int64_t kv_row_stride = int64_t(p.kv_heads) * kHeadDim;
-  const T* gQ = static_cast<const T*>(p.q) + (int64_t(batch) * p.seqlen_q + q_first) * q_row_stride +
+  // Ragged: q and o rows from the sequence's first, K and V a pool's column (source: the pages).
+  const T* gQ = static_cast<const T*>(p.q) +
+                ((kRagged ? int64_t(block.row0) : int64_t(batch) * p.seqlen_q) + q_first) * q_row_stride +
                 head * kHeadDim;
-  const T* gK = static_cast<const T*>(p.k) + int64_t(batch) * p.seqlen_k * kv_row_stride +
+  const T* gK = static_cast<const T*>(p.k) + (kRagged ? 0 : int64_t(batch) * p.seqlen_k * kv_row_stride) +
                 kv_head * kHeadDim;
-  const T* gV = static_cast<const T*>(p.v) + int64_t(batch) * p.seqlen_k * kv_row_stride +
+  const T* gV = static_cast<const T*>(p.v) + (kRagged ? 0 : int64_t(batch) * p.seqlen_k * kv_row_stride) +
                 kv_head * kHeadDim;
-  T* gO = static_cast<T*>(p.o) + (int64_t(batch) * p.seqlen_q + q_first) * q_row_stride +
+  T* gO = static_cast<T*>(p.o) +
+          ((kRagged ? int64_t(block.row0) : int64_t(batch) * p.seqlen_q) + q_first) * q_row_stride +
           head * kHeadDim;
-  float* gLse = p.lse + (int64_t(batch) * p.heads + head) * p.seqlen_q + q_first;
+  float* gLse = p.lse +
+                (kRagged ? int64_t(head) * p.seqlen_q + block.row0 : (int64_t(batch) * p.heads + head) * p.seqlen_q) +
+                q_first;
+  const auto source = [&] {
+    if constexpr (kRagged) {
+      return decode::KvSource<T>::of(p, batch, kv_head, kHeadDim);
+    } else {
+      return 0;
+    }
+  }();
 
   const Range keys = band.keys_of(q_first, q_first + rows_valid - 1);
   const int n_begin = keys.begin / kBlockN;
@@ -98,9 +134,15 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const FwdParams p) {
     const uint32_t sK0 = sQ + QTile::kBytes;  // K of stage 0; V follows K in each stage
     auto load_block = [&](const T* g, int j, uint32_t extra) {
       const int k_first = (n_end - 1 - j) * kBlockN;
-      load_tile<KTile, Cfg::kThreads, Cfg::kUnrollLoads, true, Cfg::kIsa>(
-          sK0 + (j % 2) * Cfg::kStageBytes + extra, g + int64_t(k_first) * kv_row_stride, kv_row_stride,
-          (kMasked ? band.seqlen_k : p.seqlen_k) - k_first, tid);  // zero past the length: ignored keys
+      if constexpr (kRagged) {
+        load_tile_rows<KTile, Cfg::kThreads>(sK0 + (j % 2) * Cfg::kStageBytes + extra, g,
+                                             [&](int row) { return source.offset(k_first + row); },
+                                             band.seqlen_k - k_first, tid);
+      } else {
+        load_tile<KTile, Cfg::kThreads, Cfg::kUnrollLoads, true, Cfg::kIsa>(
+            sK0 + (j % 2) * Cfg::kStageBytes + extra, g + int64_t(k_first) * kv_row_stride, kv_row_stride,
+            (kMasked ? band.seqlen_k : p.seqlen_k) - k_first, tid);  // zero past the length: ignored keys
+      }
     };
     auto load_k = [&](int j) { load_block(gK, j, 0); };
     auto load_v = [&](int j) { load_block(gV, j, KTile::kBytes); };
