@@ -317,9 +317,11 @@ def decode(config, q, k, v, kv_lengths, page_table, key_scale=None, value_scale=
     return _partition.vary_like(folded(q, k, v, kv_lengths, page_table, *scales, sinks_operand(sinks, b)), q, k, v)
 
 
-def ragged(config, q, k, v, kv_lengths, page_table, work, key_scale=None, value_scale=None, sinks=None):
+def ragged(config, q, k, v, kv_lengths, page_table, work, prefill_work, key_scale=None, value_scale=None,
+           sinks=None):  # fmt: skip
     """(out [Q, N, H], lse [N, Q] float32) of a ragged batch from the split-KV kernels over its work
-    list (_ragged_work.py): q [Q, N, H], pools [P, page_size, K, H], kv_lengths int32 [S] (clamped
+    list and the forward kernels' tiles over its prefill list (_ragged_work.py; [0, FIELDS]: none,
+    as with fp8 pools): q [Q, N, H], pools [P, page_size, K, H], kv_lengths int32 [S] (clamped
     by the kernels), page_table [S, max_pages]; with fp8 pools, key_scale and value_scale float32
     [K]; `sinks` [N] or None. Rows that no item covers are left as the kernels leave them (the
     caller masks them). The keys are cut into `_decode.splits_of_tiles` splits of the list's grid."""
@@ -337,7 +339,7 @@ def ragged(config, q, k, v, kv_lengths, page_table, work, key_scale=None, value_
         lse_partial=jax.ShapeDtypeStruct(scratch, jnp.float32),
     )
     operands = _operands.RaggedOperands(q, k, v, kv_lengths=kv_lengths, page_table=page_table, work=work,
-                                        key_scale=scales[0], value_scale=scales[1],
+                                        prefill_work=prefill_work, key_scale=scales[0], value_scale=scales[1],
                                         sinks=sinks_operand(sinks, sequences))  # fmt: skip
     out, lse, *_ = call_kernel("jax_flash_ragged", result_types, operands,
                                dict(_window_attrs(config), splits=np.int32(splits)))  # fmt: skip

@@ -78,6 +78,7 @@ class RaggedOperands(NamedTuple):
     kv_lengths: Any  # [S]
     page_table: Any  # [S, max_pages]
     work: Any  # [W, RAGGED_WORK_FIELDS]: DecodeParams::work
+    prefill_work: Any  # [W2, RAGGED_WORK_FIELDS]: DecodeParams::prefill_work (16-bit pages), or [0, RAGGED_WORK_FIELDS]: none
     key_scale: Any  # [S, K] with fp8 k and v, else [S, 0]
     value_scale: Any  # [S, K] with fp8 k and v, else [S, 0]
     sinks: Any  # [S, N] natural-log logits joining each row's softmax, or [S, 0]: none

@@ -258,20 +258,31 @@ def ragged_reason(queries, key_pages, sequences: int, scale: float) -> str | Non
     return None
 
 
+def _prefill_items(queries, key_pages, sequences: int) -> int:
+    """The length of a ragged batch's prefill list (0: none): its chunks take the forward kernels'
+    tiles over pages in the queries' dtype (those kernels read no fp8) and heads within the grid,
+    where the switch is on (_ragged_work.PREFILL_ENV)."""
+    if not _ragged_work.prefill_enabled() or key_pages.dtype != queries.dtype or queries.shape[1] > MAX_GRID_YZ:
+        return 0
+    return _ragged_work.prefill_items_bound(queries.shape[0], sequences)
+
+
 def ragged_paged_attention(queries, key_pages, value_pages, kv_lengths, page_indices, query_starts, num_seqs,
                            key_scale, value_scale, sinks, *, scale: float, left: int | None, softcap: float | None):
     """(out [Q, N, H], lse [Q, N]) of a ragged batch that `ragged_reason` accepts, from the split-KV
-    kernels over its work list; arguments validated (ragged._check). Rows past the batch's
-    sequences give 0 (lse -inf) whatever the kernels left there."""
+    kernels over its work list and, over 16-bit pages, its prefill chunks on the forward kernels'
+    tiles; arguments validated (ragged._check). Rows past the batch's sequences give 0 (lse -inf)
+    whatever the kernels left there."""
     q_rows, n, _ = queries.shape
     if q_rows == 0:  # nothing to launch (an empty grid is a launch error)
         return jnp.zeros(queries.shape, queries.dtype), jnp.zeros((0, n), jnp.float32)
-    group = n // key_pages.shape[2]
-    items = _ragged_work.items_bound(q_rows, page_indices.shape[0], group)
-    work = _ragged_work.work_list(query_starts, num_seqs, group, items)
+    group, sequences = n // key_pages.shape[2], page_indices.shape[0]
+    items = _ragged_work.items_bound(q_rows, sequences, group)
+    work, prefill_work = _ragged_work.work_list(query_starts, num_seqs, group, items,
+                                                _prefill_items(queries, key_pages, sequences))  # fmt: skip
     config = AttentionConfig(scale, left, 0, softcap, True)
-    out, lse = _ffi.ragged(config, queries, key_pages, value_pages, kv_lengths, page_indices, work, key_scale,
-                           value_scale, sinks)  # fmt: skip
+    out, lse = _ffi.ragged(config, queries, key_pages, value_pages, kv_lengths, page_indices, work, prefill_work,
+                           key_scale, value_scale, sinks)  # fmt: skip
     valid = jnp.arange(q_rows) < query_starts[num_seqs]
     return jnp.where(valid[:, None, None], out, 0), jnp.where(valid[:, None], lse.T, -jnp.inf)
 

@@ -66,6 +66,8 @@ CUSTOM_CALLS = {
         "args": [("q", "any", "[Q, N, H]: every sequence's queries"), ("k", "any", "pages [P, page_size, K, H]"),
                  ("v", "any", "as k"), ("kv_lengths", "s32", "[S]"), ("page_table", "s32", "[S, max_pages]"),
                  ("work", "s32", "[W, RAGGED_WORK_FIELDS]: DecodeParams::work"),
+                 ("prefill_work", "s32", "[W2, RAGGED_WORK_FIELDS]: DecodeParams::prefill_work (16-bit pages), "
+                  "or [0, RAGGED_WORK_FIELDS]: none"),
                  ("key_scale", "f32", "[S, K] with fp8 k and v, else [S, 0]"),
                  ("value_scale", "f32", "[S, K] with fp8 k and v, else [S, 0]"),
                  ("sinks", "f32", "[S, N] natural-log logits joining each row's softmax, or [S, 0]: none")],

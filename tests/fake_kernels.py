@@ -99,11 +99,14 @@ def call_kernel(target: str, result_types, operands, attrs: dict):
 
 
 def _ragged(result_types, x, attrs: dict):
-    """The ragged kernels from their operands: each row as its work list covers it (a row that no
+    """The ragged kernels from their operands: each row as its work lists cover it (a row that no
     item covers is left NaN, as the kernels leave it unwritten), the scales and sinks of sequence
-    0 (the Python layer broadcasts one set to every sequence)."""
+    0 (the Python layer broadcasts one set to every sequence). Prefill items over fp8 pages are
+    refused, as the handler refuses them."""
     q_rows, n, _ = x.q.shape
-    row_seq, row_query, row_count = _ragged_work.rows_of(x.work, q_rows, n // x.k.shape[2])
+    if x.prefill_work.shape[0] and x.k.dtype != x.q.dtype:
+        raise ValueError("jax_flash: ragged attention's prefill items take 16-bit pages")
+    row_seq, row_query, row_count = _ragged_work.rows_of(x.work, q_rows, n // x.k.shape[2], x.prefill_work)
     left, softcap = int(attrs["window_left"]), float(attrs["softcap"])
     scales = (x.key_scale[0], x.value_scale[0]) if x.key_scale.shape[1] else (None, None)
     out, lse = ragged._walk(x.q, x.k, x.v, jnp.clip(x.kv_lengths, 0, x.k.shape[1] * x.page_table.shape[1]),

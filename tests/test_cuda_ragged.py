@@ -1,5 +1,6 @@
-"""ragged_paged_attention's kernels (the split-KV kernels over a work list, cuda/decode/) on a GPU,
-against the float64 reference run on each sequence's gathered cache alone: mixed steps (a prefill
+"""ragged_paged_attention's kernels (the split-KV kernels over a work list, cuda/decode/, and prefill
+chunks on the mma.sync forward's tiles) on a GPU, against the float64 reference run on each
+sequence's gathered cache alone: mixed steps (a prefill
 chunk, decodes, a speculative step, an empty sequence, padding past num_seqs), pages of 16-256
 tokens, GQA groups 1-16, every decode head dim, windows, the soft cap, sinks, fp8 pools, one and
 many splits. The pages a sequence does not own, the slots past its length, and the queries of
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _decode, _plan
+from jax_flash import _decode, _plan, _ragged_work
 from tests import reference
 from tests.cases import rng_for
 from tests.test_cuda import poison_free_memory
@@ -74,14 +75,18 @@ def test_a_mixed_step(dtype, page_size, heads):
     check(dtype, page_size, heads)
 
 
+@pytest.mark.parametrize("prefill", ["0", "1"])
 @pytest.mark.parametrize("h", [32, 64, 96, 192, 256])
-def test_every_head_dim(h):
+def test_every_head_dim(monkeypatch, h, prefill):
+    monkeypatch.setenv(_ragged_work.PREFILL_ENV, prefill)
     check(jnp.bfloat16, 16, h=h)
 
 
 @pytest.mark.parametrize("kw", [dict(local_window_size=40), dict(softcap=5.0), dict(sinks=True),
                                 dict(local_window_size=7, softcap=3.0, sinks=True)], ids=str)
-def test_windows_soft_cap_and_sinks(kw):
+@pytest.mark.parametrize("prefill", ["0", "1"])
+def test_windows_soft_cap_and_sinks(monkeypatch, kw, prefill):
+    monkeypatch.setenv(_ragged_work.PREFILL_ENV, prefill)
     check(jnp.bfloat16, 64, **kw)
 
 
@@ -97,10 +102,24 @@ def test_one_and_many_splits(monkeypatch, splits):
     check(jnp.bfloat16, 16, q_lengths=[2, 1, 1], kv_lengths=[3000, 1, 700], num_seqs=3)
 
 
-def test_a_long_prefill_chunk_beside_decodes():
+@pytest.mark.parametrize("prefill", ["0", "1"])
+def test_a_long_prefill_chunk_beside_decodes(monkeypatch, prefill):
     """1,000 queries (250 tiles of each kv head) over a 3,000-token cache, beside decodes, and a
     chunk with more queries than cached tokens (its first rows see nothing: 0)."""
+    monkeypatch.setenv(_ragged_work.PREFILL_ENV, prefill)
     check(jnp.bfloat16, 64, q_lengths=[1000, 1, 1, 50, 1], kv_lengths=[3000, 20, 4000, 30, 1], num_seqs=5)
+
+
+@pytest.mark.parametrize("h", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("heads", [(8, 2), (32, 8)])
+def test_prefill_items_on_the_forward_tiles(monkeypatch, heads, page_size, h):
+    """With the switch on, chunks of more than 16 queries take the forward kernels' tiles (128
+    queries an item: 300 queries are three, 129 two, 17 one), beside decodes and a 16-query
+    sequence of the split kernels; a chunk over fewer cached tokens than pages hold."""
+    monkeypatch.setenv(_ragged_work.PREFILL_ENV, "1")
+    check(jnp.bfloat16, page_size, heads, h, q_lengths=[300, 16, 129, 17, 0, 128, 1],
+          kv_lengths=[300, 40, 200, 17, 5, 400, 33], num_seqs=7)
 
 
 def test_decodes_alone_equal_paged_attention():

@@ -9,58 +9,81 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _plan, _ragged_work, _search
+from jax_flash import _operands, _plan, _ragged_work, _search
 from tests import fake_kernels, reference
 from tests.cases import rng_for
 from tests.test_ragged import step_problem, step_reference
 
 TILE = _ragged_work.TILE_ROWS
+PREFILL = _ragged_work.PREFILL_ROWS
+DECODE_QUERIES = _ragged_work.DECODE_QUERIES
 
 
-def _covered(work, q_rows, group):
-    """(query row, head of the group) -> how many items cover it, and the items' sequences."""
+def _covered(work, prefill_work, q_rows, group):
+    """(query row, head of the group) -> how many items of either list cover it, and the items'
+    sequences."""
     count = np.zeros((q_rows, group), np.int64)
     seq_of_row = np.full(q_rows, -1)
+
+    def cover(seq, row, heads):
+        count[row, heads] += 1
+        assert seq_of_row[row] in (-1, seq)
+        seq_of_row[row] = seq
+
     for seq, first, row0, queries in np.asarray(work):
-        if seq < 0:
-            continue
-        for packed in range(first, min(first + TILE, queries * group)):
-            row = row0 + packed // group
-            count[row, packed % group] += 1
-            assert seq_of_row[row] in (-1, seq)
-            seq_of_row[row] = seq
+        if seq >= 0:
+            for packed in range(first, min(first + TILE, queries * group)):
+                cover(seq, row0 + packed // group, packed % group)
+    for seq, first, row0, queries in np.asarray(prefill_work):
+        if seq >= 0:
+            assert queries > DECODE_QUERIES and first % PREFILL == 0
+            for query in range(first, min(first + PREFILL, queries)):
+                cover(seq, row0 + query, slice(None))
     return count, seq_of_row
 
 
+@pytest.mark.parametrize("prefill", [False, True])
 @pytest.mark.parametrize("compare_all", [True, False])
 @pytest.mark.parametrize("group", [1, 3, 4, 16])
-def test_the_work_list_covers_each_row_once(monkeypatch, group, compare_all):
-    """Random steps (empty sequences, prefills, decodes, padding past num_seqs), and the one that
-    fills the bound (every sequence one row past a whole tile); each sequence found by comparing
-    every pair, and by a sort."""
+def test_the_work_lists_cover_each_row_once(monkeypatch, group, compare_all, prefill):
+    """Random steps (empty sequences, prefills, decodes, padding past num_seqs), and those that
+    fill the bounds (every sequence one row past a whole tile; one query past a prefill item); each
+    sequence found by comparing every pair, and by a sort. With a prefill list, sequences of more
+    than DECODE_QUERIES queries are its items' alone."""
     if not compare_all:
         monkeypatch.setattr(_search, "COMPARE_ALL_LIMIT", 0)
     rng = np.random.default_rng(group)
     worst = [TILE // group + 1 if group < TILE else 1] * 7
-    for q_lengths in [list(rng.integers(0, 40, size=9)), [0, 0, 0], [1] * 12, worst, [63, 0, 1, 2, 17]]:
+    worst_prefill = [PREFILL + 1] * 3 + [DECODE_QUERIES + 1] * 4
+    cases = [list(rng.integers(0, 40, size=9)), [0, 0, 0], [1] * 12, worst, [63, 0, 1, 2, 17],
+             [300, 16, 129, 17, 0, 128, 1], worst_prefill]  # fmt: skip
+    for q_lengths in cases:
         sequences = len(q_lengths)
-        num_seqs = sequences if len(q_lengths) < 6 else sequences - 2
+        num_seqs = sequences - 2 if len(q_lengths) in (9, 12) else sequences
         starts = np.concatenate([[0], np.cumsum(q_lengths)]).astype(np.int32)
         q_rows = int(starts[-1]) + 2
         items = _ragged_work.items_bound(q_rows, sequences, group)
-        work = _ragged_work.work_list(jnp.asarray(starts), jnp.int32(num_seqs), group, items)
-        assert work.shape == (items, _ragged_work.FIELDS)
-        count, seq_of_row = _covered(work, q_rows, group)
+        prefill_items = _ragged_work.prefill_items_bound(q_rows, sequences) if prefill else 0
+        work, prefill_work = _ragged_work.work_list(jnp.asarray(starts), jnp.int32(num_seqs), group, items,
+                                                    prefill_items)  # fmt: skip
+        assert work.shape == (items, _ragged_work.FIELDS) and prefill_work.shape == (prefill_items, 4)
+        count, seq_of_row = _covered(work, prefill_work, q_rows, group)
         live = int(starts[num_seqs])
         assert np.all(count[:live] == 1) and np.all(count[live:] == 0)
         expect = np.searchsorted(starts[1:], np.arange(live), side="right")
         np.testing.assert_array_equal(seq_of_row[:live], expect)
-        # The items past the tiles name no sequence; the tiles never outgrow the bound.
-        tiles = sum(-(-q * group // TILE) for q in q_lengths[:num_seqs])
+        # The items past the tiles name no sequence; neither list outgrows its bound.
+        chunks = [q for q in q_lengths[:num_seqs] if prefill and q > DECODE_QUERIES]
+        tiles = sum(-(-q * group // TILE) for q in q_lengths[:num_seqs]) - sum(-(-q * group // TILE) for q in chunks)
+        blocks = sum(-(-q // PREFILL) for q in chunks)
         assert np.all(np.asarray(work[:tiles, 0]) >= 0) and np.all(np.asarray(work[tiles:, 0]) == -1)
-    worst_starts = jnp.asarray(np.concatenate([[0], np.cumsum(worst)]), jnp.int32)
-    bound = _ragged_work.items_bound(int(worst_starts[-1]), len(worst), group)
-    assert sum(-(-q * group // TILE) for q in worst) <= bound
+        assert np.all(np.asarray(prefill_work[:blocks, 0]) >= 0) and np.all(np.asarray(prefill_work[blocks:, 0]) == -1)
+    for lengths in (worst, worst_prefill):
+        q_rows = sum(lengths)
+        assert sum(-(-q * group // TILE) for q in lengths) <= _ragged_work.items_bound(q_rows, len(lengths), group)
+    assert 3 * 2 + 4 == _ragged_work.prefill_items_bound(sum(worst_prefill), len(worst_prefill))
+    assert _ragged_work.prefill_items_bound(DECODE_QUERIES * 9, 9) >= 1  # one chunk of them all
+    assert _ragged_work.prefill_items_bound(DECODE_QUERIES, 9) == 0
 
 
 @pytest.mark.parametrize("compare_all", [True, False])
@@ -69,19 +92,22 @@ def test_the_work_list_is_made_without_a_loop(monkeypatch, compare_all):
     0.5 ms a step)."""
     if not compare_all:
         monkeypatch.setattr(_search, "COMPARE_ALL_LIMIT", 0)
-    text = jax.jit(lambda s, n: _ragged_work.work_list(s, n, 4, 40)).lower(jnp.zeros((9,), jnp.int32),
-                                                                           jnp.int32(8)).as_text()  # fmt: skip
+    text = jax.jit(lambda s, n: _ragged_work.work_list(s, n, 4, 40, 6)).lower(jnp.zeros((9,), jnp.int32),
+                                                                              jnp.int32(8)).as_text()  # fmt: skip
     assert "while" not in text
 
 
 CASES = {"plain": {}, "window": {"local_window_size": 9}, "softcap": {"softcap": 4.0}, "sinks": {"sinks": True}}
 
 
+@pytest.mark.parametrize("prefill", ["0", "1"])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (16, 1)])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_kernel_path_against_float64(monkeypatch, heads, case):
-    """implementation="cuda" through the stand-in: a prefill chunk, decodes, a speculative step, an
-    empty sequence and padding past num_seqs, pages of 16 and 64 tokens."""
+def test_the_kernel_path_against_float64(monkeypatch, heads, case, prefill):
+    """implementation="cuda" through the stand-in: a prefill chunk (on the split kernels' tiles, or
+    with the switch on the forward tiles'), decodes, a speculative step, an empty sequence and
+    padding past num_seqs, pages of 16 and 64 tokens."""
+    monkeypatch.setenv(_ragged_work.PREFILL_ENV, prefill)
     calls = fake_kernels.record_calls(monkeypatch)
     for page_size in (16, 64):
         rng = rng_for("ragged-kernels", heads, case, page_size)
@@ -102,6 +128,42 @@ def test_the_kernel_path_against_float64(monkeypatch, heads, case):
     attrs = calls.attrs["jax_flash_ragged"]
     assert int(attrs["window_right"]) == 0 and int(attrs["diagonal_by_lengths"]) == 1
     assert [t for t, _ in calls] == ["jax_flash_ragged"] * 2
+
+
+@pytest.mark.parametrize("case", ["plain", "window", "sinks"])
+def test_prefill_chunks_take_the_forward_tiles(monkeypatch, case):
+    """With the switch on, sequences of more than DECODE_QUERIES queries go to the prefill list
+    (300 queries: three items), the rest to the split kernels' list, in one call; fp8 pools send
+    every sequence to the split kernels (the forward kernels read no fp8), as the switch's default
+    (off) does."""
+    monkeypatch.setenv(_ragged_work.PREFILL_ENV, "1")
+    calls = fake_kernels.record_calls(monkeypatch)
+    rng = rng_for("ragged-kernels-prefill", case)
+    q_lengths, kv_lengths = [300, 16, 129, 17, 0, 128, 1], [300, 40, 200, 17, 5, 400, 33]
+    args = step_problem(rng, q_lengths, kv_lengths, 16, dtype=jnp.bfloat16, heads=(8, 2), h=64)
+    kw = dict(CASES[case])
+    if kw.pop("sinks", False):
+        kw["sinks"] = jnp.asarray(rng.normal(size=(8,)), jnp.float32)
+    out = jax_flash.ragged_paged_attention(*args, implementation="cuda", **kw)
+    ref, _ = step_reference(*args, len(q_lengths), **kw)
+    assert reference.rel_error(out, ref) < 1e-2
+    fields = _operands.RaggedOperands._fields
+    shapes = dict(zip(fields, calls[0][1]))
+    assert shapes["prefill_work"] == (_ragged_work.prefill_items_bound(args[0].shape[0], len(q_lengths)), 4)
+    assert shapes["prefill_work"][0] >= 3 + 2 + 1 + 1  # 300, 129, 17, 128 queries
+    queries, kp, vp, *rest = args
+    (kq, ks), (vq, vs) = (jax_flash.quantize_kv(x, jnp.float8_e4m3fn) for x in (kp, vp))
+    out = jax_flash.ragged_paged_attention(queries, kq, vq, *rest, key_scale=ks, value_scale=vs,
+                                           implementation="cuda", **kw)  # fmt: skip
+    ref, _ = step_reference(queries, kq, vq, *rest, len(q_lengths), scales=(ks, vs), **kw)
+    assert reference.rel_error(out, ref) < 1e-2
+    assert dict(zip(fields, calls[1][1]))["prefill_work"] == (0, 4)
+    monkeypatch.delenv(_ragged_work.PREFILL_ENV)
+    jax_flash.ragged_paged_attention(*args, implementation="cuda", **kw)
+    assert dict(zip(fields, calls[2][1]))["prefill_work"] == (0, 4)
+    monkeypatch.setenv(_ragged_work.PREFILL_ENV, "yes")
+    with pytest.raises(ValueError, match="JAX_FLASH_RAGGED_PREFILL must be '0' or '1'"):
+        jax_flash.ragged_paged_attention(*args, implementation="cuda", **kw)
 
 
 def test_fp8_pools_through_the_kernel_path(monkeypatch):

@@ -423,20 +423,24 @@ ffi::Error decode_impl(JAX_FLASH_DECODE_PARAMS) {
 
 // A ragged batch (jax_flash.ragged_paged_attention): q [Q, N, H] holds every sequence's queries,
 // the pages [P, page_size, K, H] every sequence's cache; kv_lengths [S], page_table [S, max_pages],
-// the work list [W, 4] (DecodeParams::work), scales and sinks a row per sequence; o [Q, N, H],
+// the work list [W, 4] (DecodeParams::work) and the prefill list [W2, 4] (DecodeParams::prefill_work;
+// W2 = 0: none; 16-bit pages only), scales and sinks a row per sequence; o [Q, N, H],
 // lse [N, Q], and the split scratch [splits, Q, N, H] and [splits, Q, N] (each empty with one split).
 ffi::Error ragged_impl(JAX_FLASH_RAGGED_PARAMS) {
   DecodeParams p{};
   DType dtype, kv_dtype;
   const auto qd = q.dimensions(), kd = k.dimensions(), td = page_table.dimensions(), wd = work.dimensions();
+  const auto pd = prefill_work.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || wd.size() != 2 || wd[1] != contract::kRaggedWorkFields ||
-      kd[0] == 0 || kd[1] % kDecodeBlockKeys != 0 || td[1] == 0 || !has_shape(kv_lengths, {td[0]})) {
+      pd.size() != 2 || pd[1] != contract::kRaggedWorkFields || kd[0] == 0 || kd[1] % kDecodeBlockKeys != 0 ||
+      td[1] == 0 || !has_shape(kv_lengths, {td[0]})) {
     return ffi::Error::InvalidArgument(
         "jax_flash: ragged attention takes q [Q, N, H], pages [P, page_size (a multiple of " +
-        std::to_string(kDecodeBlockKeys) + "), K, H], kv_lengths [S], a page table [S, max_pages >= 1] and a work "
-        "list [W, " + std::to_string(contract::kRaggedWorkFields) + "], got " + shape_string(qd) + ", " +
-        shape_string(kd) + ", " + shape_string(kv_lengths.dimensions()) + ", " + shape_string(td) + ", " +
-        shape_string(wd));
+        std::to_string(kDecodeBlockKeys) + "), K, H], kv_lengths [S], a page table [S, max_pages >= 1] and work "
+        "lists [W, " + std::to_string(contract::kRaggedWorkFields) + "] and [W2, " +
+        std::to_string(contract::kRaggedWorkFields) + "], got " + shape_string(qd) + ", " + shape_string(kd) + ", " +
+        shape_string(kv_lengths.dimensions()) + ", " + shape_string(td) + ", " + shape_string(wd) + ", " +
+        shape_string(pd));
   }
   const int64_t sequences = td[0];
   if (ffi::Error e = dtype_of(q.element_type(), &dtype); e.failure()) return e;
@@ -462,9 +466,18 @@ ffi::Error ragged_impl(JAX_FLASH_RAGGED_PARAMS) {
   p.kv_lengths = kv_lengths.typed_data();
   p.work = work.typed_data();
   p.work_items = static_cast<int>(wd[0]);
+  if (pd[0] > 0) {
+    p.prefill_work = prefill_work.typed_data();
+    p.prefill_items = static_cast<int>(pd[0]);
+  }
   const bool fp8 = kv_dtype == DType::kFp8E4m3 || kv_dtype == DType::kFp8E5m2;
   if (kv_dtype != dtype && !fp8) {
     return ffi::Error::InvalidArgument("jax_flash: ragged attention takes pages in q's dtype or in fp8");
+  }
+  if (fp8 && p.prefill_items > 0) {
+    return ffi::Error::InvalidArgument("jax_flash: ragged attention's prefill items take 16-bit pages (the "
+                                       "forward kernels read no fp8), got fp8 pages and " +
+                                       shape_string(pd) + " items");
   }
   // The decode kernels' head dims (generate_instantiations.py instantiates ragged at the same).
   if (fp8 ? !contract::decode_fp8_supports_head_dim(p.head_dim) : !contract::decode_supports_head_dim(p.head_dim)) {

@@ -178,6 +178,7 @@
   .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()  /* kv_lengths: [S] */ \
   .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()  /* page_table: [S, max_pages] */ \
   .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()  /* work: [W, RAGGED_WORK_FIELDS]: DecodeParams::work */ \
+  .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()  /* prefill_work: [W2, RAGGED_WORK_FIELDS]: DecodeParams::prefill_work (16-bit pages), or [0, RAGGED_WORK_FIELDS]: none */ \
   .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* key_scale: [S, K] with fp8 k and v, else [S, 0] */ \
   .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* value_scale: [S, K] with fp8 k and v, else [S, 0] */ \
   .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* sinks: [S, N] natural-log logits joining each row's softmax, or [S, 0]: none */ \
@@ -200,6 +201,7 @@
   ::xla::ffi::Buffer<::xla::ffi::S32> kv_lengths, \
   ::xla::ffi::Buffer<::xla::ffi::S32> page_table, \
   ::xla::ffi::Buffer<::xla::ffi::S32> work, \
+  ::xla::ffi::Buffer<::xla::ffi::S32> prefill_work, \
   ::xla::ffi::Buffer<::xla::ffi::F32> key_scale, \
   ::xla::ffi::Buffer<::xla::ffi::F32> value_scale, \
   ::xla::ffi::Buffer<::xla::ffi::F32> sinks, \
